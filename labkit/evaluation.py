@@ -1,0 +1,109 @@
+"""Held-out evaluation: greedy accuracy, sampled pass@1 and pass@k, mean completion length.
+
+Generation here goes through `model.generate` in batches; it is the plain path that every
+faster rollout is checked against.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from labkit.rewards import correctness
+from labkit.tasks import Problem, format_prompt
+
+
+@torch.no_grad()
+def generate(model, tokenizer, prompts: Sequence[str], *, do_sample: bool,
+             temperature: float = 1.0, max_new_tokens: int = 16, batch_size: int = 256,
+             num_return_sequences: int = 1, progress: bool = False) -> list[str]:
+    """Completions for `prompts` (chat template applied when the tokenizer has one).
+
+    Sampling draws from the full softmax at `temperature` (no top-k, no top-p), so sampled
+    pass@1 measures the policy itself. Returns len(prompts) * num_return_sequences texts,
+    the samples of one prompt next to each other. Seed torch beforehand for repeatable draws.
+    """
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if do_sample and not temperature > 0:
+        raise ValueError(f"temperature must be > 0 when sampling, got {temperature}")
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(
+        max_new_tokens=max_new_tokens, do_sample=do_sample,
+        num_return_sequences=num_return_sequences,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+        **({"temperature": temperature, "top_k": 0, "top_p": 1.0} if do_sample else {}))
+    side, tokenizer.padding_side = tokenizer.padding_side, "left"
+    texts = [format_prompt(p, tokenizer) for p in prompts]
+    device = next(model.parameters()).device
+    out: list[str] = []
+    was_training = model.training
+    model.eval()
+    try:
+        starts = range(0, len(texts), batch_size)
+        for start in tqdm(starts, desc="generate", disable=not progress, leave=False):
+            enc = tokenizer(texts[start:start + batch_size], return_tensors="pt", padding=True,
+                            add_special_tokens=not getattr(tokenizer, "chat_template", None))
+            enc = enc.to(device)
+            ids = model.generate(**enc, generation_config=config)
+            out += tokenizer.batch_decode(ids[:, enc["input_ids"].shape[1]:],
+                                          skip_special_tokens=True)
+    finally:
+        tokenizer.padding_side = side
+        model.train(was_training)
+    return out
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples of which c are correct (Chen et al. 2021)."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"need 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def evaluate(model, tokenizer, problems: Sequence[Problem], *, samples: int = 4,
+             k: int | None = None, temperature: float = 1.0, max_new_tokens: int = 16,
+             batch_size: int = 256, seed: int = 0, progress: bool = False) -> dict:
+    """Greedy accuracy and sampled pass@1 (and pass@k) of the model on `problems`.
+
+    pass@1 is the mean correctness of `samples` draws per problem at `temperature`; pass@k
+    uses the unbiased estimator over the same draws (k defaults to `samples`). `samples=0`
+    measures greedy accuracy alone.
+    Keys: `eval/accuracy` (greedy), `eval/pass@1`, `eval/pass@{k}`, `eval/length` (mean
+    greedy completion length in characters), `eval/n` (number of problems).
+    """
+    if not problems:
+        raise ValueError("problems is empty: nothing to evaluate")
+    if samples < 0:
+        raise ValueError(f"samples must be >= 0, got {samples}")
+    k = samples if k is None else k
+    if samples and not 1 <= k <= samples:
+        raise ValueError(f"k must be between 1 and samples={samples}, got {k}")
+    prompts = [p.prompt for p in problems]
+    answers = [p.answer for p in problems]
+    greedy = generate(model, tokenizer, prompts, do_sample=False, batch_size=batch_size,
+                      max_new_tokens=max_new_tokens, progress=progress)
+    greedy_ok = correctness(greedy, answer=answers)
+    figures = {"eval/accuracy": sum(greedy_ok) / len(problems),
+               "eval/length": sum(map(len, greedy)) / len(problems), "eval/n": len(problems)}
+    if samples == 0:
+        return figures
+    devices = [model.device] if model.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        drawn = generate(model, tokenizer, prompts, do_sample=True, temperature=temperature,
+                         num_return_sequences=samples, batch_size=max(1, batch_size // samples),
+                         max_new_tokens=max_new_tokens, progress=progress)
+    drawn_ok = correctness(drawn, answer=[a for a in answers for _ in range(samples)])
+    correct = [int(sum(drawn_ok[i * samples:(i + 1) * samples])) for i in range(len(problems))]
+    figures["eval/pass@1"] = sum(correct) / (samples * len(problems))
+    figures[f"eval/pass@{k}"] = sum(pass_at_k(samples, c, k) for c in correct) / len(problems)
+    return figures

@@ -1,0 +1,350 @@
+"""Reward functions for RL on math problems, in TRL's reward-function form.
+
+Every reward here has the signature `fn(completions, **kwargs) -> list[float]`, so it can be
+handed to TRL's `GRPOTrainer(reward_funcs=...)` unchanged: the trainer passes the dataset's
+columns as keywords (the ground truth as `answer`, the expected intermediate results as
+`steps`) plus its own extras (`prompts`, `completion_ids`, `trainer_state`, ...), which are
+ignored. A completion is a string or TRL's conversational form, a list of message dicts.
+
+Verifiable reward (RLVR): 1.0 when the final answer is mathematically equivalent to the
+ground truth, by math-verify rather than string comparison. Shaping, combination and
+reward-model score normalisation are small wrappers around that.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import numbers
+import re
+import threading
+from decimal import Decimal, InvalidOperation
+from functools import lru_cache
+from typing import Callable, Literal, Sequence
+
+from math_verify import parse, verify
+
+from labkit.answers import _last_box_span, extract_answer, gsm8k_ground_truth
+
+RewardFn = Callable[..., list]
+
+# seconds; used only in the main thread, where math-verify can time out with signal.alarm
+PARSE_TIMEOUT = 5
+VERIFY_TIMEOUT = 5
+
+
+class _DropDisabledTimeoutWarning(logging.Filter):
+    """math-verify warns on every call made with the timeout off; off is our choice in threads."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Timeout is disabled" not in record.getMessage()
+
+
+for _name in ("math_verify.parser", "math_verify.grader"):
+    logging.getLogger(_name).addFilter(_DropDisabledTimeoutWarning())
+
+
+def completion_text(completion) -> str | None:
+    """The text of one completion: a string as is; for TRL's conversational form (a list of
+    `{"role", "content"}` dicts) the content of the last assistant message, or of the last
+    message when none is marked assistant. None for anything else."""
+    if isinstance(completion, str):
+        return completion
+    if isinstance(completion, dict):
+        completion = [completion]
+    if isinstance(completion, (list, tuple)) and completion:
+        messages = [m for m in completion if isinstance(m, dict)]
+        if not messages:
+            return None
+        assistant = [m for m in messages if m.get("role") == "assistant"]
+        content = (assistant or messages)[-1].get("content")
+        return content if isinstance(content, str) else None
+    return None
+
+
+# ---------------------------------------------------------------------------- correctness
+
+_THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
+# a number, a space, then only words: "18 dollars", "5 cm", "60 km/h" -> the number. Words
+# of two letters or more, so "5x" and "5 x - 3" stay expressions
+_NUMBER_THEN_WORDS = re.compile(
+    r"^([-+]?(?:\d+(?:\.\d*)?|\.\d+)%?)\s+[A-Za-z]{2,}[A-Za-z .']*(?:/[A-Za-z]+)*$")
+_TEXT = re.compile(r"\\(?:text|textbf|mbox|mathrm)\{([^{}]*)\}")
+
+
+def _clean(answer: str) -> str:
+    """Light, safe normalisation before math-verify: drop `$` and `\\$`, thousands commas
+    (`1,000` -> `1000`, never `10,5`), a final period and trailing unit words; the word
+    "percent" becomes `%`."""
+    s = answer.strip()
+    s = s.replace("\\$", "").replace("$", "").replace("\\%", "%").replace("\\!", "")
+    s = _THOUSANDS.sub("", s).strip().rstrip(".").strip()
+    s = re.sub(r"(?<=\d)\s*(?:percent|per\s+cent)\b", "%", s, flags=re.IGNORECASE)
+    s = _TEXT.sub(r"\1", s).strip()  # `\text{18 dollars}` -> `18 dollars` -> `18`
+    m = _NUMBER_THEN_WORDS.match(s)
+    return m.group(1) if m else s
+
+
+def _decimal(s: str) -> Decimal | None:
+    try:
+        value = Decimal(s)
+    except InvalidOperation:
+        return None
+    return value if value.is_finite() else None
+
+
+def _parse(answer: str, timeout: int | None) -> list:
+    """math-verify's parse of an extracted answer, read as inline LaTeX first (so
+    `\\sqrt{2}/2` parses), else as plain text."""
+    return parse(f"${answer}$", parsing_timeout=timeout) or parse(answer, parsing_timeout=timeout)
+
+
+@lru_cache(maxsize=4096)
+def _parse_gold(gold: str, timeout: int | None) -> list:
+    """`_parse` of a cleaned ground truth, cached: the G completions of a group share it."""
+    return _parse(gold, timeout)
+
+
+def _ground_truth(value, index: int) -> str:
+    if value is None:
+        raise ValueError(f"answer[{index}] is None: every completion needs a ground truth")
+    text = str(value).strip()
+    if not text:
+        raise ValueError(f"answer[{index}] is empty: every completion needs a ground truth")
+    return gsm8k_ground_truth(text) if "####" in text else text
+
+
+def _grade(completion, gold: str, main_thread: bool) -> float:
+    text = completion_text(completion)
+    if not text:
+        return 0.0
+    predicted = extract_answer(text)
+    if predicted is None:
+        return 0.0
+    pred, want = _clean(predicted), _clean(gold)
+    if pred and pred == want:
+        return 1.0
+    a, b = _decimal(pred), _decimal(want)
+    if a is not None and b is not None and a == b:  # 0.50 == 0.5 without sympy
+        return 1.0
+    timeout = PARSE_TIMEOUT if main_thread else None
+    try:
+        gold_parsed = _parse_gold(want, timeout)
+        pred_parsed = _parse(pred, timeout)
+        if not gold_parsed or not pred_parsed:
+            return 0.0
+        ok = verify(gold_parsed, pred_parsed,
+                    timeout_seconds=VERIFY_TIMEOUT if main_thread else None)
+    except Exception:  # a reward must never stop a training loop
+        return 0.0
+    return 1.0 if ok else 0.0
+
+
+def correctness(completions: Sequence, answer: Sequence | None = None, **kwargs) -> list[float]:
+    r"""Verifiable reward: r_i = 1 if extract(completion_i) == answer_i mathematically, else 0.
+
+    The final answer is the last `\boxed{...}`, else `#### N`, else "the answer is N", else a
+    final `A: N` line (`labkit.answers.extract_answer`); no answer scores 0. Equivalence is
+    math-verify's (`parse` + `verify`), after dropping `$`, thousands commas, a final
+    period and trailing unit words, so `$1,000.` == `1000`, `18 dollars` == `18`,
+    `\frac{1}{2}` == `0.5` == `1/2`, `50\%` == `0.5`. An exact match after that cleaning, or
+    equal decimals (`0.50` == `0.5`), score 1 without calling math-verify.
+
+    `answer[i]` is a bare value ("18", r"\frac{1}{2}", 18) or a whole GSM8K answer field,
+    whose number after `####` is used. Parsing of the ground truth is cached. Outside the
+    main thread math-verify's signal-based timeouts are switched off (signal.alarm only
+    works in the main thread), so the function also runs in worker threads.
+
+    Bad completions never raise: None, empty, non-string, or anything math-verify fails on
+    scores 0.0. Bad ground truth does raise ValueError: `answer` missing, a length that
+    differs from `completions`, or a None or empty entry (the message names its index).
+    """
+    if answer is None:
+        raise ValueError("correctness needs the ground truth as the keyword `answer` "
+                         "(a list with one entry per completion), e.g. a dataset column "
+                         "named 'answer'")
+    if isinstance(answer, (str, bytes)) or not hasattr(answer, "__len__"):
+        raise ValueError(f"answer (the ground truth) must be a list with one entry per "
+                         f"completion, got {type(answer).__name__}")
+    if len(answer) != len(completions):
+        raise ValueError(f"answer has {len(answer)} entries but completions has "
+                         f"{len(completions)}: one ground truth per completion")
+    golds = [_ground_truth(a, i) for i, a in enumerate(answer)]
+    main_thread = threading.current_thread() is threading.main_thread()
+    return [_grade(c, g, main_thread) for c, g in zip(completions, golds)]
+
+
+def format_reward(completions: Sequence, **kwargs) -> list[float]:
+    r"""Format reward: r_i = 1 if completion_i ends with a non-empty, balanced `\boxed{...}`.
+
+    After the box only whitespace, closing math delimiters (`$`, `\]`, `\)`) and a period
+    may follow; anything else (more text, a second unclosed box) scores 0. The box's
+    content is not judged: that is `correctness`'s job.
+    """
+    out = []
+    for completion in completions:
+        text = completion_text(completion)
+        span = _last_box_span(text) if text else None
+        ok = (span is not None and bool(span[0].strip())
+              and re.fullmatch(r"(?:\s|\$|\\\]|\\\)|\.)*", text[span[1]:]) is not None)
+        out.append(1.0 if ok else 0.0)
+    return out
+
+
+# ---------------------------------------------------------------------- shaping (seed 000)
+
+_NUMBER_TOKEN = re.compile(r"(?<![\d.])(-?)(\d[\d,]*(?:\.\d+)?|\.\d+)")
+
+
+def _numbers_in(text: str) -> set[Decimal]:
+    """Every number written in `text`, read both ways where a comma is ambiguous: `1,000`
+    gives 1000 (and 1, 0), `46,46` (a list) gives 46. A leading minus adds the negative too,
+    since `16-3` may be a subtraction."""
+    values = set()
+    for sign, token in _NUMBER_TOKEN.findall(text):
+        token = token.rstrip(",")
+        pieces = [p for p in token.split(",") if p]
+        if re.fullmatch(r"\d{1,3}(?:,\d{3})+(?:\.\d+)?", token):
+            pieces.append(token.replace(",", ""))
+        for piece in pieces:
+            value = _decimal(piece)
+            if value is not None:
+                values.add(value)
+                if sign:
+                    values.add(-value)
+    return values
+
+
+def step_completeness(completion, steps: Sequence[str]) -> float:
+    """completeness = (# of `steps` that appear in the completion) / len(steps); 1 if none.
+
+    A step appears when the completion writes that number as a whole number, compared by
+    value: "46" is found in "= 46." and "46.0", not in "146" or "4.6"; "1000" is found in
+    "1,000". A step that is not a plain decimal (e.g. "3/4") is looked up as text, again not
+    inside a longer number. Seed 000 scores completeness with a rule engine over step
+    words ("first", "therefore"); checking intermediate results is the verifiable version.
+    """
+    steps = list(steps)
+    if not steps:
+        return 1.0
+    text = completion_text(completion) or ""
+    found_values = _numbers_in(text)
+    hits = 0
+    for step in steps:
+        s = _THOUSANDS.sub("", str(step).strip().lstrip("$"))
+        value = _decimal(s)
+        if value is not None:
+            hits += value in found_values
+        else:
+            hits += re.search(r"(?<![\d.])" + re.escape(s) + r"(?![\d])", text) is not None
+    return hits / len(steps)
+
+
+def gsm8k_steps(answer_field: str) -> list[str]:
+    """The intermediate results of a GSM8K solution: the `c` of each `<<a*b=c>>` annotation."""
+    return [m.strip() for m in re.findall(r"<<[^<>]*=([^<>=]*)>>", answer_field)]
+
+
+def shaped(reward_fn: RewardFn, lam: float = 0.3) -> RewardFn:
+    """Step-completeness shaping (seed 000 section 3.3): r = r_raw - lam * (1 - completeness).
+
+    The returned reward function reads the expected intermediate results of each completion
+    from the keyword `steps` (a list of lists of strings, e.g. a dataset column) and passes
+    every keyword on to `reward_fn`. A complete solution keeps r_raw; one that skips all
+    steps loses lam. `lam` must lie in [0, 1] (the seed uses 0.3).
+    """
+    if isinstance(lam, bool) or not isinstance(lam, numbers.Real) or not 0.0 <= lam <= 1.0:
+        raise ValueError(f"lam must be a number in [0, 1], got {lam!r}")
+    name = getattr(reward_fn, "__name__", type(reward_fn).__name__)
+
+    def shaped_reward(completions: Sequence, steps: Sequence | None = None, **kwargs):
+        if steps is None:
+            raise ValueError(f"shaped reward needs the keyword `steps` (one list of expected "
+                             f"intermediate results per completion) for {name}")
+        if len(steps) != len(completions):
+            raise ValueError(f"steps has {len(steps)} entries but completions has "
+                             f"{len(completions)}")
+        raw = reward_fn(completions, steps=steps, **kwargs)
+        return [float(r) - lam * (1.0 - step_completeness(c, s))
+                for r, c, s in zip(raw, completions, steps)]
+
+    shaped_reward.__name__ = f"shaped({name},lam={lam:g})"
+    shaped_reward.__qualname__ = shaped_reward.__name__
+    return shaped_reward
+
+
+def combine(*weighted: tuple[RewardFn, float]) -> RewardFn:
+    """Weighted sum of reward functions: r_i = sum_k w_k * fn_k(completions, ...)_i.
+
+    Each argument is a pair `(fn, weight)` with a finite numeric weight. The result is named
+    after its parts, e.g. `0.9*correctness+0.1*format_reward`, because TRL logs each reward
+    function under its `__name__`.
+    """
+    if not weighted:
+        raise ValueError("combine needs at least one (reward_fn, weight) pair")
+    parts = []
+    for i, item in enumerate(weighted):
+        if not (isinstance(item, tuple) and len(item) == 2 and callable(item[0])):
+            raise ValueError(f"combine argument {i} must be a (reward_fn, weight) pair, "
+                             f"got {item!r}")
+        fn, weight = item
+        if (isinstance(weight, bool) or not isinstance(weight, numbers.Real)
+                or not math.isfinite(weight)):
+            raise ValueError(f"weight of combine argument {i} must be a finite number, "
+                             f"got {weight!r}")
+        parts.append((fn, float(weight)))
+
+    def combined(completions: Sequence, **kwargs) -> list[float]:
+        total = [0.0] * len(completions)
+        for fn, weight in parts:
+            scores = fn(completions, **kwargs)
+            if len(scores) != len(completions):
+                raise ValueError(f"{fn.__name__} returned {len(scores)} rewards for "
+                                 f"{len(completions)} completions")
+            total = [t + weight * float(s) for t, s in zip(total, scores)]
+        return total
+
+    terms = [f"{w:g}*{getattr(fn, '__name__', type(fn).__name__)}" for fn, w in parts]
+    combined.__name__ = "+".join(terms).replace("+-", "-")
+    combined.__qualname__ = combined.__name__
+    return combined
+
+
+# ----------------------------------------------------- reward-model scores (seed 000 4.1)
+
+NORMALIZATIONS = ("sigmoid", "group_minmax")
+
+
+def normalize_scores(scores, method: Literal["sigmoid", "group_minmax"] = "sigmoid",
+                     group_size: int | None = None) -> list[float]:
+    """Map raw reward-model scores (logits) into [0, 1] before computing advantages.
+
+    - "sigmoid": s -> 1 / (1 + exp(-s)), per score, into (0, 1) (seed 000 4.1).
+    - "group_minmax": each consecutive group of `group_size` scores (the G completions of
+      one prompt, shape (B*G,) read as (B, G)) -> (s - min_g) / (max_g - min_g). Departure
+      from the seed's (s - min) / (max - min + 1e-8): a constant group maps to 0.5 (no
+      preference) instead of 0, so its rewards stay in the middle of the range.
+    `scores` is a list or a 1-D tensor of finite floats; returns a list of floats.
+    """
+    if method not in NORMALIZATIONS:
+        raise ValueError(f"method must be one of {NORMALIZATIONS}, got {method!r}")
+    if hasattr(scores, "dim") and scores.dim() != 1:
+        raise ValueError(f"scores must be 1-D (B*G,), got shape {tuple(scores.shape)}")
+    values = [float(s) for s in (scores.tolist() if hasattr(scores, "tolist") else scores)]
+    if not all(math.isfinite(v) for v in values):
+        raise ValueError("scores must be finite numbers (got nan or inf)")
+    if method == "sigmoid":
+        # the two branches never overflow exp
+        return [1.0 / (1.0 + math.exp(-v)) if v >= 0 else math.exp(v) / (1.0 + math.exp(v))
+                for v in values]
+    if (group_size is None or isinstance(group_size, bool) or not isinstance(group_size, int)
+            or group_size < 1 or len(values) % group_size != 0):
+        raise ValueError(f"group_minmax needs a positive integer group_size that divides "
+                         f"len(scores)={len(values)}, got group_size={group_size!r}")
+    out = []
+    for start in range(0, len(values), group_size):
+        group = values[start:start + group_size]  # (G,)
+        low, high = min(group), max(group)
+        out.extend([0.5] * group_size if high == low
+                   else [(v - low) / (high - low) for v in group])
+    return out

@@ -1,0 +1,197 @@
+"""Prompt sources with ground truth: procedural arithmetic and GSM8K from a local jsonl.
+
+Every task yields `Problem`s: the prompt text, the ground-truth answer, and the intermediate
+results a complete solution passes through (for step-completeness shaping). The answer format
+is the one real math tasks use, the final answer in `\\boxed{...}`, so the reward path that
+grades the embedded tiny model also grades a real model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Literal
+
+from labkit.answers import gsm8k_ground_truth
+from labkit.rewards import gsm8k_steps
+
+Split = Literal["train", "test"]
+SPLITS = ("train", "test")
+OPS = "+-*"
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One prompt with its ground truth.
+
+    `prompt` is what the model sees (before any chat template), `answer` the ground truth
+    as a string, `steps` the intermediate results of a complete solution, `target` a
+    reference completion (used for the supervised warm start; empty when unknown).
+    """
+
+    prompt: str
+    answer: str
+    steps: tuple[str, ...] = ()
+    target: str = ""
+
+    def to_record(self) -> dict:
+        """A dict with TRL's dataset column names (`prompt`, `answer`, ...)."""
+        record = asdict(self)
+        record["steps"] = list(self.steps)
+        return record
+
+
+def _bucket(key: str) -> int:
+    """A stable number in [0, 100) for a problem: the split never depends on the seed."""
+    return int(hashlib.sha256(key.encode()).hexdigest()[:8], 16) % 100
+
+
+@dataclass(frozen=True)
+class ArithmeticTask:
+    """Procedural arithmetic: `operands` numbers of up to `digits` digits joined by `ops`.
+
+    Problems are evaluated left to right (no operator precedence), so the scratchpad is the
+    list of running results. The split of a problem is a hash of its expression, so train
+    and test never share a problem whatever seed draws them.
+    """
+
+    digits: int = 2
+    """Largest number of digits of an operand (operands are drawn from 0 .. 10**digits - 1)."""
+    operands: int = 2
+    """How many numbers each problem combines."""
+    ops: str = "+"
+    """Operators to draw from, any of '+', '-', '*'."""
+    scratchpad: bool = False
+    """Write the running results before the boxed answer, e.g. '12+34=46,46+5=51'."""
+    template: Literal["compact", "instruct"] = "compact"
+    """'compact' for the tiny model ('12+34='); 'instruct' asks in words, for real models."""
+    test_percent: int = 10
+    """Share of all problems (by hash) held out as the test split."""
+
+    def __post_init__(self):
+        if not 1 <= self.digits <= 9:
+            raise ValueError(f"digits must be between 1 and 9, got {self.digits}")
+        if not 2 <= self.operands <= 8:
+            raise ValueError(f"operands must be between 2 and 8, got {self.operands}")
+        if not self.ops or any(op not in OPS for op in self.ops):
+            raise ValueError(f"ops must be a non-empty string of {OPS!r}, got {self.ops!r}")
+        if self.template not in ("compact", "instruct"):
+            raise ValueError(f"template must be 'compact' or 'instruct', got {self.template!r}")
+        if not 1 <= self.test_percent <= 50:
+            raise ValueError(f"test_percent must be between 1 and 50, got {self.test_percent}")
+
+    @property
+    def num_problems(self) -> int:
+        """Size of the whole problem space (both splits)."""
+        return (10**self.digits) ** self.operands * len(set(self.ops)) ** (self.operands - 1)
+
+    def split_of(self, expression: str) -> Split:
+        return "test" if _bucket(expression) < self.test_percent else "train"
+
+    def make(self, numbers: list[int], ops: list[str]) -> Problem:
+        """The problem for given operands and operators (left-to-right evaluation)."""
+        expression = str(numbers[0])
+        value, steps, pad = numbers[0], [], []
+        for op, n in zip(ops, numbers[1:]):
+            before = value
+            value = value + n if op == "+" else value - n if op == "-" else value * n
+            expression += f"{op}{n}"
+            steps.append(str(value))
+            pad.append(f"{before}{op}{n}={value}")
+        answer = str(value)
+        work = ",".join(pad) + ". " if self.scratchpad else ""
+        if self.template == "compact":
+            prompt = f"{expression}="
+        else:
+            spaced = expression
+            for op in OPS:
+                spaced = spaced.replace(op, f" {op} ")
+            prompt = (f"What is {spaced}? Evaluate left to right and put the final answer "
+                      "in \\boxed{}.")
+        return Problem(prompt=prompt, answer=answer, steps=tuple(steps),
+                       target=f"{work}\\boxed{{{answer}}}")
+
+    def _draw(self, rng: random.Random) -> tuple[str, list[int], list[str]]:
+        high = 10**self.digits - 1
+        numbers = [rng.randint(0, high) for _ in range(self.operands)]
+        ops = [rng.choice(self.ops) for _ in range(self.operands - 1)]
+        expression = str(numbers[0]) + "".join(f"{o}{n}" for o, n in zip(ops, numbers[1:]))
+        return expression, numbers, ops
+
+    def sample(self, n: int, split: Split = "train", seed: int = 0,
+               distinct: bool = False) -> list[Problem]:
+        """`n` problems of `split`, drawn from `seed`; `distinct` forbids repeats."""
+        if split not in SPLITS:
+            raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+        if n < 0:
+            raise ValueError(f"n must be >= 0, got {n}")
+        expected = self.num_problems * (self.test_percent if split == "test"
+                                        else 100 - self.test_percent) / 100
+        if distinct and n > 0.9 * expected:
+            raise ValueError(f"n={n} distinct problems asked of a {split} split of about "
+                             f"{int(expected)}: lower n or raise digits/operands")
+        rng, seen, out = random.Random(f"{seed}:{split}"), set(), []
+        while len(out) < n:
+            expression, numbers, ops = self._draw(rng)
+            if self.split_of(expression) != split or (distinct and expression in seen):
+                continue
+            seen.add(expression)
+            out.append(self.make(numbers, ops))
+        return out
+
+
+DEFAULT_TASK = ArithmeticTask()
+"""The task the embedded model was warm-started on: two-digit addition, boxed answer."""
+
+GSM8K_TEMPLATE = ("{question}\nPlease reason step by step, and put your final answer "
+                  "within \\boxed{{}}.")
+
+
+def load_gsm8k(path: str | Path, n: int | None = None, seed: int | None = None,
+               template: str = GSM8K_TEMPLATE) -> list[Problem]:
+    """GSM8K problems from a local jsonl with `question` and `answer` (ending in `#### N`).
+
+    `n` takes the first n rows, or a random n rows when `seed` is given. The worked
+    solution in `answer` (calculator annotations stripped) becomes the problem's `target`.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"GSM8K file not found: {path} (expected a jsonl with "
+                                "'question' and 'answer' fields)")
+    if "{question}" not in template:
+        raise ValueError("template must contain '{question}'")
+    rows = []
+    with path.open(encoding="utf-8") as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            if "question" not in row or "answer" not in row:
+                raise ValueError(f"{path}:{line_no}: each row needs 'question' and 'answer'")
+            rows.append(row)
+    if n is not None:
+        if n < 0:
+            raise ValueError(f"n must be >= 0, got {n}")
+        rows = random.Random(seed).sample(rows, min(n, len(rows))) if seed is not None \
+            else rows[:n]
+    problems = []
+    for row in rows:
+        answer = gsm8k_ground_truth(row["answer"])
+        # the worked solution without its calculator annotations <<a*b=c>>
+        work = re.sub(r"<<[^<>]*>>", "", row["answer"].rsplit("####", 1)[0])
+        problems.append(Problem(prompt=template.format(question=row["question"]),
+                                answer=answer, steps=tuple(gsm8k_steps(row["answer"])),
+                                target=f"{work.strip()}\nThe answer is \\boxed{{{answer}}}."))
+    return problems
+
+
+def format_prompt(prompt: str, tokenizer=None) -> str:
+    """The text to feed the model: the tokenizer's chat template when it has one."""
+    if tokenizer is not None and getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                             tokenize=False, add_generation_prompt=True)
+    return prompt
