@@ -70,6 +70,21 @@ def resolve_model_path(name_or_path: str | os.PathLike | None) -> str:
     return str(name_or_path)
 
 
+def _offline() -> bool:
+    """True when the user asked for no hub traffic (HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE)."""
+    flags = (os.environ.get(k, "").strip().lower() for k in ("HF_HUB_OFFLINE",
+                                                              "TRANSFORMERS_OFFLINE"))
+    return any(f in ("1", "true", "yes", "on") for f in flags)
+
+
+def _from_pretrained(source: str, dtype: torch.dtype, local_only: bool):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=local_only)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, local_files_only=local_only)
+    return model, tokenizer
+
+
 def load(name_or_path: str | os.PathLike | None = None, device: str | torch.device | None = None,
          dtype: str | torch.dtype | None = None):
     """Load `(model, tokenizer)` for a causal LM.
@@ -80,20 +95,23 @@ def load(name_or_path: str | os.PathLike | None = None, device: str | torch.devi
     it, else fp32. The tokenizer pads on the left (generation appends on the right) and gets
     a pad token (its EOS) when it has none. The model is returned in eval mode.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
     source = resolve_model_path(name_or_path)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source)
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
-    except OSError as e:
+        # a local folder, or a hub id already in the local cache: no network at all
+        model, tokenizer = _from_pretrained(source, dtype, local_only=True)
+    except OSError as miss:
         if Path(source).exists():
             raise
-        raise OSError(f"could not load {source!r} from the Hugging Face hub (no network, or "
-                      "not in the local cache). Download it where the hub is reachable and "
-                      "pass the local folder as name_or_path instead.") from e
+        try:
+            if _offline():
+                raise miss
+            model, tokenizer = _from_pretrained(source, dtype, local_only=False)
+        except OSError as e:
+            raise OSError(f"could not load {source!r} from the Hugging Face hub (offline, no "
+                          "network, or not in the local cache). Download it where the hub is "
+                          "reachable and pass the local folder as name_or_path instead.") from e
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"

@@ -1,0 +1,42 @@
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def run(*args):
+    return subprocess.run([sys.executable, "-m", "labkit", *args], capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_eval_prints_figures_and_a_json_last_line():
+    done = run("eval", "--n", "60", "--samples", "2", "--seed", "1", "--device", "cpu")
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    for key in ("eval/accuracy", "eval/pass@1", "eval/pass@2", "eval/n", "wall_s"):
+        assert key in result
+    assert result["eval/n"] == 60
+    assert 0.0 <= result["eval/pass@1"] <= result["eval/pass@2"] <= 1.0
+
+
+@pytest.mark.parametrize("args, names", [
+    (["--n", "0"], "--n"),
+    (["--samples", "-1"], "--samples"),
+    (["--max-new-tokens", "0"], "--max-new-tokens"),
+    (["--model", "/no/such/model/folder"], "name_or_path"),
+    (["--device", "cuda:7x"], "device"),
+    (["--task", "gsm8k"], "--gsm8k-path"),
+    (["--digits", "0"], "digits"),
+])
+def test_eval_bad_input_is_one_clear_line(args, names):
+    done = run("eval", *args)
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:") and names in lines[0], done.stderr
+
+
+def test_unknown_command_is_rejected():
+    done = run("fly")
+    assert done.returncode == 2 and "invalid choice" in done.stderr
