@@ -86,6 +86,7 @@ def test_embedded_model_leaves_room_for_rl(tiny):
     assert card["parameters"] == sum(p.numel() for p in model.parameters())
 
 
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # deprecations inside TRL/transformers
 def test_trl_grpo_trainer_accepts_the_embedded_model_path(tmp_path):
     datasets = pytest.importorskip("datasets")
     trl = pytest.importorskip("trl")

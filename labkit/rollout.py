@@ -1,0 +1,206 @@
+"""Group rollout: G sampled completions for each of B prompts, with their log-probs.
+
+Shapes: B prompts, G completions per prompt (the group), N = B*G rows, P prompt tokens,
+T completion tokens, V vocabulary.
+
+The G completions of a group share one prompt, so the prompt is run through the model once
+(one prefill of B rows, not N) and its KV cache is repeated G times before decoding. Peers
+that call `model.generate` with `num_return_sequences=G` prefill every prompt G times.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from labkit.tasks import format_prompt
+
+
+@dataclass
+class RolloutBatch:
+    """The completions of one rollout and what the update needs from the sampling policy.
+
+    Row n of every (N, ...) tensor is completion n % G of prompt n // G (`group_index`).
+    """
+
+    prompt_ids: torch.Tensor
+    """(B, P) prompt token ids, left-padded."""
+    prompt_mask: torch.Tensor
+    """(B, P) 1 on real prompt tokens."""
+    completion_ids: torch.Tensor
+    """(N, T) sampled token ids, right-padded with the pad id."""
+    completion_mask: torch.Tensor
+    """(N, T) 1 on real completion tokens, up to and including EOS."""
+    old_logprobs: torch.Tensor
+    """(N, T) fp32 log-prob of each sampled token under the sampling policy (0 on padding)."""
+    texts: list[str]
+    """N decoded completions, special tokens removed."""
+    group_index: torch.Tensor
+    """(N,) index of the prompt each row belongs to."""
+    finished: torch.Tensor
+    """(N,) True where the completion ended with EOS, False where it was truncated."""
+    group_size: int
+    """G."""
+
+    @property
+    def num_prompts(self) -> int:
+        return self.prompt_ids.shape[0]
+
+    @property
+    def truncated(self) -> torch.Tensor:
+        """(N,) True where the completion hit max_new_tokens without EOS."""
+        return ~self.finished
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """(N,) number of real completion tokens of each row."""
+        return self.completion_mask.sum(-1)
+
+
+def eos_ids(model, tokenizer) -> list[int]:
+    """Token ids that end a completion: the tokenizer's EOS and the model's generation EOS."""
+    ids = set()
+    generation_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    for value in (tokenizer.eos_token_id, generation_eos):
+        if value is None:
+            continue
+        ids.update([value] if isinstance(value, int) else value)
+    if not ids:
+        raise ValueError("the tokenizer and the model define no EOS token: set "
+                         "tokenizer.eos_token so completions can end")
+    return sorted(ids)
+
+
+def encode_prompts(tokenizer, prompts: Sequence[str], device=None):
+    """Left-padded `(ids, mask)`, each (B, P), after the chat template when there is one."""
+    if not prompts:
+        raise ValueError("prompts is empty: give at least one prompt")
+    if not all(isinstance(p, str) for p in prompts):
+        raise ValueError("prompts must be strings")
+    templated = bool(getattr(tokenizer, "chat_template", None))
+    side, tokenizer.padding_side = tokenizer.padding_side, "left"
+    try:
+        enc = tokenizer([format_prompt(p, tokenizer) for p in prompts], return_tensors="pt",
+                        padding=True, add_special_tokens=not templated)
+    finally:
+        tokenizer.padding_side = side
+    return enc["input_ids"].to(device), enc["attention_mask"].to(device)
+
+
+def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """Logits (N, V) with tokens outside the top-k / nucleus set to -inf (the best one kept)."""
+    if top_k and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        # drop a token when the tokens ranked above it already hold top_p of the mass
+        drop = probs.cumsum(-1) - probs >= top_p
+        drop[..., 0] = False
+        logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    return logits
+
+
+def cache_keyword(model) -> str:
+    """The forward keyword for the KV cache: `cache` in recent transformers, else the older
+    `past_key_values`."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def cache_of(output):
+    """The KV cache a forward pass returned, under either name."""
+    cache = getattr(output, "cache", None)
+    return cache if cache is not None else output.past_key_values
+
+
+def _check(group_size, max_new_tokens, temperature, top_k, top_p, greedy):
+    if group_size < 1:
+        raise ValueError(f"group_size must be >= 1, got {group_size}")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if not greedy and not temperature > 0:
+        raise ValueError(f"temperature must be > 0 when sampling, got {temperature} "
+                         "(use greedy=True for argmax decoding)")
+    if top_k < 0:
+        raise ValueError(f"top_k must be >= 0 (0 turns it off), got {top_k}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+
+
+@torch.no_grad()
+def rollout(model, tokenizer, prompts: Sequence[str], *, group_size: int,
+            max_new_tokens: int = 16, temperature: float = 1.0, top_k: int = 0,
+            top_p: float = 1.0, greedy: bool = False, seed: int | None = None) -> RolloutBatch:
+    """Sample `group_size` completions for each prompt.
+
+    Each prompt is prefilled once; its KV cache is repeated G times and the N rows decode
+    together until every row has produced EOS or `max_new_tokens` tokens. Sampling draws from
+    softmax(logits / temperature) restricted to top-k / top-p; `greedy` takes the argmax.
+    `old_logprobs` are the log-probs under softmax(logits / temperature) without the top-k /
+    top-p cut, the policy that the update's ratio compares against (as TRL and verl do).
+    `seed` makes the draws repeatable; None uses torch's global generator.
+    """
+    _check(group_size, max_new_tokens, temperature, top_k, top_p, greedy)
+    device = next(model.parameters()).device
+    stop = torch.tensor(eos_ids(model, tokenizer), device=device)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else int(stop[0])
+    generator = None
+    if seed is not None:
+        generator = torch.Generator(device=device).manual_seed(seed)
+    prompt_ids, prompt_mask = encode_prompts(tokenizer, prompts, device)
+    G = group_size
+    was_training = model.training
+    model.eval()
+    try:
+        # one prefill per prompt; positions count real tokens so left padding is invisible
+        positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
+        out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions,
+                    use_cache=True, logits_to_keep=1)
+        cache, cache_kw = cache_of(out), cache_keyword(model)
+        cache.batch_repeat_interleave(G)  # (B, ...) -> (B*G, ...)
+        logits = out.logits[:, -1].float().repeat_interleave(G, dim=0)  # (N, V)
+        mask = prompt_mask.repeat_interleave(G, dim=0)  # (N, P)
+        next_pos = prompt_mask.sum(-1).repeat_interleave(G)  # (N,)
+        N = logits.shape[0]
+        tokens, logps, real = [], [], []
+        alive = torch.ones(N, dtype=torch.bool, device=device)
+        finished = torch.zeros(N, dtype=torch.bool, device=device)
+        for step in range(max_new_tokens):
+            scaled = logits if greedy else logits / temperature
+            logp_all = scaled.log_softmax(-1)
+            if greedy:
+                token = logits.argmax(-1)
+            else:
+                probs = filter_logits(scaled, top_k, top_p).softmax(-1)
+                token = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+            token = torch.where(alive, token, torch.full_like(token, pad))
+            logps.append(torch.where(alive, logp_all.gather(-1, token[:, None]).squeeze(-1), 0.0))
+            tokens.append(token)
+            real.append(alive.clone())
+            hit_eos = alive & torch.isin(token, stop)
+            finished |= hit_eos
+            alive &= ~hit_eos
+            if not alive.any() or step == max_new_tokens - 1:
+                break
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=-1)
+            out = model(input_ids=token[:, None], attention_mask=mask,
+                        position_ids=next_pos[:, None], use_cache=True, **{cache_kw: cache})
+            cache, next_pos = cache_of(out), next_pos + 1
+            logits = out.logits[:, -1].float()
+    finally:
+        model.train(was_training)
+    completion_ids = torch.stack(tokens, dim=1)  # (N, T)
+    old_logprobs = torch.stack(logps, dim=1)  # (N, T)
+    completion_mask = torch.stack(real, dim=1).long()  # (N, T)
+    texts = tokenizer.batch_decode(completion_ids.masked_fill(completion_mask == 0, pad),
+                                   skip_special_tokens=True)
+    return RolloutBatch(
+        prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids,
+        completion_mask=completion_mask, old_logprobs=old_logprobs, texts=texts,
+        group_index=torch.arange(len(prompts), device=device).repeat_interleave(G),
+        finished=finished, group_size=G)
+
