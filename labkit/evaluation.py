@@ -87,6 +87,12 @@ def evaluate(model, tokenizer, problems: Sequence[Problem], *, samples: int = 4,
     k = samples if k is None else k
     if samples and not 1 <= k <= samples:
         raise ValueError(f"k must be between 1 and samples={samples}, got {k}")
+    if samples and not temperature > 0:
+        raise ValueError(f"temperature must be > 0 when sampling, got {temperature}")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     prompts = [p.prompt for p in problems]
     answers = [p.answer for p in problems]
     greedy = generate(model, tokenizer, prompts, do_sample=False, batch_size=batch_size,

@@ -134,11 +134,20 @@ class ArithmeticTask:
         if distinct and n > 0.9 * expected:
             raise ValueError(f"n={n} distinct problems asked of a {split} split of about "
                              f"{int(expected)}: lower n or raise digits/operands")
-        rng, seen, out = random.Random(f"{seed}:{split}"), set(), []
+        rng, seen, out, misses = random.Random(f"{seed}:{split}"), set(), [], 0
         while len(out) < n:
             expression, numbers, ops = self._draw(rng)
             if self.split_of(expression) != split or (distinct and expression in seen):
+                # a small space's split can hold fewer problems than `expected` (the hash
+                # share is uneven): after 50 * num_problems misses in a row every problem of
+                # the split has been seen, bar a chance of about e**-50, so stop, not spin
+                misses += 1
+                if misses > 50 * self.num_problems:
+                    raise ValueError(f"n={n}{' distinct' if distinct else ''} problems asked "
+                                     f"of a {split} split that holds only {len(seen)}: lower "
+                                     "n or raise digits/operands")
                 continue
+            misses = 0
             seen.add(expression)
             out.append(self.make(numbers, ops))
         return out
@@ -169,9 +178,14 @@ def load_gsm8k(path: str | Path, n: int | None = None, seed: int | None = None,
         for line_no, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            row = json.loads(line)
-            if "question" not in row or "answer" not in row:
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{line_no}: not valid JSON ({e.msg})") from e
+            if not isinstance(row, dict) or "question" not in row or "answer" not in row:
                 raise ValueError(f"{path}:{line_no}: each row needs 'question' and 'answer'")
+            if "####" not in str(row["answer"]):
+                raise ValueError(f"{path}:{line_no}: the answer field must end with '#### N'")
             rows.append(row)
     if n is not None:
         if n < 0:
