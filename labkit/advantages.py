@@ -1,0 +1,231 @@
+"""Advantages: how much better one completion (or one token) did than its baseline.
+
+Shapes use the letters of REFERENCE.md: B prompts, G completions per prompt (the group),
+T completion tokens, N = B*G rows. Rewards are one scalar per completion, `(N,)`, with the
+G completions of a prompt next to each other (rows `b*G .. b*G+G-1`). `mask` `(N, T)` is
+nonzero on real completion tokens (up to and including EOS), zero on padding.
+
+Group-relative estimators (no critic): `grpo`, `dr_grpo`, `rloo`; `to_tokens` spreads their
+one-per-completion value over the tokens. Critic-based (PPO): `gae`. `whiten` normalises
+over the unmasked tokens of a batch.
+
+All functions are pure and detach their inputs (advantages are targets, never
+differentiated). Math runs in fp32 whatever the input dtype; float64 inputs stay float64.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+Scale = Literal["group", "batch", "none"]
+SCALES = ("group", "batch", "none")  # DeepSeekMath's group std / TRL scale_rewards="batch" / Dr. GRPO
+TokenMode = Literal["uniform", "discounted"]
+TOKEN_MODES = ("uniform", "discounted")
+
+
+def _float(x) -> Tensor:
+    """Detached, at least fp32: float64 stays float64, everything else becomes fp32."""
+    x = torch.as_tensor(x).detach()
+    return x if x.dtype == torch.float64 else x.float()
+
+
+def _grouped(rewards, group_size: int, who: str) -> Tensor:
+    """Validated rewards `(N,)` reshaped to `(B, G)`."""
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 2:
+        raise ValueError(f"{who} needs group_size >= 2 to compare completions, got "
+                         f"group_size={group_size!r}")
+    r = _float(rewards)
+    if r.dim() != 1:
+        raise ValueError(f"rewards must be 1-D (N,) with N = B*G, got shape {tuple(r.shape)}")
+    if r.numel() % group_size != 0:
+        raise ValueError(f"len(rewards)={r.numel()} is not divisible by group_size={group_size}: "
+                         "rewards must hold whole groups of G completions")
+    if not torch.isfinite(r).all():
+        raise ValueError("rewards must be finite; got NaN or inf (check the reward function)")
+    return r.view(-1, group_size)  # (B, G)
+
+
+def _centered(r: Tensor) -> Tensor:
+    """r - mean over the last dim, exactly 0 in rows whose entries are all equal.
+
+    The float mean of equal numbers can differ from them by an ulp; an exact-equality test
+    keeps a zero-std group at exactly zero advantage instead of noise divided by eps.
+    """
+    constant = r.amax(-1, keepdim=True) == r.amin(-1, keepdim=True)
+    return torch.where(constant, torch.zeros_like(r), r - r.mean(-1, keepdim=True))
+
+
+def _std_of_centered(c: Tensor, dim: int, unbiased: bool) -> Tensor:
+    """Std of already centered values along `dim` (keepdim), rescaled first so the squares of
+    huge rewards do not overflow fp32."""
+    s = c.abs().amax(dim, keepdim=True)
+    s_safe = torch.where(s > 0, s, torch.ones_like(s))
+    return s * (c / s_safe).std(dim, correction=1 if unbiased else 0, keepdim=True)
+
+
+def grpo(rewards: Tensor, group_size: int, *, scale: Scale = "group", eps: float = 1e-4,
+         unbiased: bool = True) -> Tensor:
+    """Group-relative advantage of DeepSeekMath: A_i = (r_i - mean_g r) / (std + eps).
+
+    rewards: `(N,)`, groups of `group_size` = G consecutive completions. Returns `(N,)`.
+
+    scale: "group" divides by the std of the G rewards of the group (DeepSeekMath, TRL default);
+    "batch" by the std of all N rewards, the mean staying the group mean (TRL
+    `scale_rewards="batch"`); "none" does not divide (Dr. GRPO, same as `dr_grpo`).
+    unbiased: True divides the variance by G-1 (torch `std()`, TRL); False by G (seed 004).
+
+    Departures from the textbook formula: a group whose rewards are all equal gives exactly 0
+    (never 0/0, whatever eps); the std is computed on rescaled values so rewards of 1e30
+    stay finite.
+    """
+    if scale not in SCALES:
+        raise ValueError(f"scale must be one of {SCALES}, got {scale!r}")
+    if not eps >= 0:
+        raise ValueError(f"eps must be >= 0, got {eps!r}")
+    r = _grouped(rewards, group_size, "GRPO")  # (B, G)
+    c = _centered(r)  # (B, G)
+    if scale == "none":
+        return c.reshape(-1)  # (N,)
+    if scale == "group":
+        std = _std_of_centered(c, 1, unbiased)  # (B, 1)
+    else:
+        flat = _centered(r.reshape(1, -1))  # (1, N)
+        std = _std_of_centered(flat, 1, unbiased)  # (1, 1)
+    denom = std + eps
+    # denom is 0 only when std is 0 and eps is 0: then c is 0 too, and 0 is the answer
+    denom = torch.where(denom > 0, denom, torch.ones_like(denom))
+    return (c / denom).reshape(-1)  # (N,)
+
+
+def dr_grpo(rewards: Tensor, group_size: int) -> Tensor:
+    """Dr. GRPO (arXiv 2503.20783): A_i = r_i - mean_g r, no std division, which removes the
+    bias toward too-easy and too-hard prompts. rewards `(N,)` -> `(N,)`."""
+    return grpo(rewards, group_size, scale="none")
+
+
+def rloo(rewards: Tensor, group_size: int) -> Tensor:
+    """REINFORCE leave-one-out: A_i = r_i - (sum_{j != i} r_j) / (G-1). rewards `(N,)` -> `(N,)`.
+
+    Computed as the algebraically equal G/(G-1) * (r_i - mean_g r), which keeps a group of
+    equal rewards at exactly 0. So RLOO is Dr. GRPO scaled by G/(G-1).
+    """
+    r = _grouped(rewards, group_size, "RLOO")  # (B, G)
+    return (_centered(r) * (group_size / (group_size - 1))).reshape(-1)  # (N,)
+
+
+def _bool_mask(mask, n: int, device) -> Tensor:
+    """The mask as bool `(N, T)`, after checking it is 2-D with `n` rows."""
+    mask = torch.as_tensor(mask)
+    if mask.dim() != 2 or mask.shape[0] != n:
+        raise ValueError(f"mask must be (N, T) with N={n} rows, got shape {tuple(mask.shape)}")
+    return mask.to(device) != 0
+
+
+def _check_mask(x: Tensor, mask, name: str) -> Tensor:
+    """The mask as bool `(N, T)`, after checking that `x` has its shape."""
+    m = _bool_mask(mask, x.shape[0] if x.dim() else -1, x.device)
+    if tuple(x.shape) != tuple(m.shape):
+        raise ValueError(f"{name} shape {tuple(x.shape)} must equal mask shape {tuple(m.shape)}")
+    return m
+
+
+def to_tokens(advantages: Tensor, mask: Tensor, *, mode: TokenMode = "uniform",
+              gamma: float = 1.0) -> Tensor:
+    """Spread one advantage per completion `(N,)` over its tokens -> `(N, T)`.
+
+    mode "uniform": A_i on every unmasked token (GRPO).
+    mode "discounted" (seed 002): A_i * gamma^(T_i-1-t) / sum_t gamma^(T_i-1-t), where t counts
+    the unmasked tokens of row i and T_i is their number; the tokens near the end get more
+    and the row sums to A_i (uniform rows sum to T_i * A_i). gamma = 1 gives A_i / T_i.
+    Masked tokens get 0; an all-masked row is all 0. gamma in [0, 1].
+    """
+    if mode not in TOKEN_MODES:
+        raise ValueError(f"mode must be one of {TOKEN_MODES}, got {mode!r}")
+    a = _float(advantages)
+    if a.dim() != 1:
+        raise ValueError(f"advantages must be 1-D (N,), got shape {tuple(a.shape)}")
+    m = _bool_mask(mask, a.shape[0], a.device)  # (N, T)
+    if mode == "uniform":
+        return torch.where(m, a[:, None], torch.zeros((), dtype=a.dtype, device=a.device))
+    if not 0.0 <= gamma <= 1.0:
+        raise ValueError(f"gamma must be in [0, 1] for mode='discounted', got {gamma!r}")
+    mf = m.to(a.dtype)
+    pos = mf.cumsum(1) - 1  # (N, T) rank of each token among the unmasked ones
+    length = mf.sum(1, keepdim=True)  # (N, 1)
+    power = (length - 1 - pos).clamp(min=0)  # padding after the end would go negative
+    w = torch.where(m, torch.full_like(mf, gamma).pow(power), torch.zeros_like(mf))  # (N, T)
+    total = w.sum(1, keepdim=True)  # (N, 1) >= 1 when the row has a token: the last has weight 1
+    return a[:, None] * w / total.clamp(min=1.0)
+
+
+def whiten(values: Tensor, mask: Tensor, *, eps: float = 1e-8, shift_mean: bool = True,
+           unbiased: bool = True) -> Tensor:
+    """Global whitening (seed 002): (x - mean) / (std + eps) over the unmasked entries.
+
+    values, mask: `(N, T)` -> `(N, T)`. Mean and std use unmasked entries only; masked entries
+    come back 0. unbiased=True uses the G-1-style correction (n-1), as TRL's `masked_whiten`.
+    shift_mean=False adds the mean back after scaling, (x - mean)/(std + eps) + mean, as TRL
+    does for rewards, so their sign survives.
+    Departures: all unmasked values equal (or a single one) gives 0 (plus the mean when
+    shift_mean=False) instead of rounding noise over eps; no unmasked entry gives all zeros.
+    """
+    if not eps >= 0:
+        raise ValueError(f"eps must be >= 0, got {eps!r}")
+    x = _float(values)
+    m = _check_mask(x, mask, "values")
+    xs = x[m]  # (n,) the unmasked entries
+    if xs.numel() == 0:
+        return torch.zeros_like(x)
+    if not torch.isfinite(xs).all():
+        raise ValueError("values must be finite on unmasked entries; got NaN or inf")
+    mean = xs.mean()
+    c = _centered(xs[None])[0]  # (n,)
+    if xs.numel() < 2 and unbiased:
+        std = torch.zeros((), dtype=x.dtype, device=x.device)
+    else:
+        std = _std_of_centered(c, 0, unbiased)[0]
+    denom = std + eps
+    denom = torch.where(denom > 0, denom, torch.ones_like(denom))
+    out = torch.zeros_like(x)
+    out[m] = c / denom if shift_mean else c / denom + mean
+    return out
+
+
+def gae(token_rewards: Tensor, values: Tensor, mask: Tensor, *, gamma: float = 1.0,
+        lam: float = 0.95) -> tuple[Tensor, Tensor]:
+    """Generalised advantage estimation for PPO -> (advantages, returns), each `(N, T)`.
+
+    token_rewards, values, mask: `(N, T)`. delta_t = r_t + gamma V_{t+1} - V_t,
+    A_t = sum_k (gamma lam)^k delta_{t+k}, returns = A + V; computed backwards over time.
+    Departures: masked positions are skipped, so "t+1" is the next unmasked token (holes in
+    the mask and left padding work too); V after the last real token is 0, which treats a
+    completion cut at the length limit as finished, as TRL and verl do. Rewards and values on
+    masked positions are ignored and both outputs are 0 there.
+    """
+    for name, v in (("gamma", gamma), ("lam", lam)):
+        if not 0.0 <= v <= 1.0:
+            raise ValueError(f"{name} must be in [0, 1], got {v!r}")
+    r = _float(token_rewards)
+    v = _float(values).to(r.device)
+    dtype = torch.promote_types(r.dtype, v.dtype)
+    r, v = r.to(dtype), v.to(dtype)
+    m = _check_mask(r, mask, "token_rewards")
+    _check_mask(v, mask, "values")
+    n, t_len = r.shape
+    adv = torch.zeros_like(r)
+    zero = torch.zeros(n, dtype=r.dtype, device=r.device)
+    next_v, next_a = zero, zero  # (N,) value and advantage of the next real token
+    for t in reversed(range(t_len)):
+        real = m[:, t]
+        a = r[:, t] + gamma * next_v - v[:, t] + gamma * lam * next_a  # (N,)
+        adv[:, t] = torch.where(real, a, zero)
+        next_v = torch.where(real, v[:, t], next_v)
+        next_a = torch.where(real, a, next_a)
+    returns = torch.where(m, adv + v, torch.zeros_like(adv))
+    return adv, returns
+
+
+__all__ = ["SCALES", "TOKEN_MODES", "grpo", "dr_grpo", "rloo", "to_tokens", "whiten", "gae"]
