@@ -1,5 +1,6 @@
 """The command line: `python -m labkit COMMAND`.
 
+train  run GRPO or PPO (`--algo`), every TrainConfig field an option
 eval   evaluate a model (the embedded one by default) on held-out problems of a task
 """
 
@@ -65,16 +66,72 @@ def run_eval(args) -> dict:
     return figures
 
 
+def parse_value(text: str, kind: type, name: str):
+    """A command-line string as the field's type: bools take true/false, optionals 'none'."""
+    if text.lower() == "none":
+        return None
+    if kind is bool:
+        if text.lower() in ("true", "1", "yes", "on"):
+            return True
+        if text.lower() in ("false", "0", "no", "off"):
+            return False
+        raise ValueError(f"--{name.replace('_', '-')} must be true or false, got {text!r}")
+    try:
+        return kind(text)
+    except ValueError:
+        raise ValueError(f"--{name.replace('_', '-')} must be {kind.__name__}, got {text!r}"
+                         ) from None
+
+
+def _train_parser(sub) -> None:
+    from dataclasses import MISSING, fields
+
+    from labkit.config import TrainConfig
+
+    cmd = sub.add_parser("train", help="run GRPO or PPO; every config field is an option",
+                         description="Train with GRPO or PPO. Options not given keep the "
+                                     "defaults of labkit.config.TrainConfig.")
+    cmd.add_argument("--resume", default=None, metavar="RUN_DIR",
+                     help="continue the run in RUN_DIR from its last checkpoint")
+    for f in fields(TrainConfig):
+        default = f.default if f.default is not MISSING else None
+        cmd.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, default=None,
+                         metavar="VALUE", help=f"(default: {default})")
+
+
+def run_train(args) -> dict:
+    from labkit.config import TrainConfig, field_types
+
+    types = field_types()
+    given = {name: parse_value(getattr(args, name), kind, name) for name, kind in types.items()
+             if getattr(args, name) is not None}
+    if args.resume is not None:
+        if given:
+            raise ValueError(f"--resume continues a run with its own config; drop {sorted(given)}")
+        from labkit.runs import read_config
+        read_config(args.resume)  # a clear error before any model loads
+        config = None
+    else:
+        config = TrainConfig(**given)  # every field checked before any model loads
+    from labkit.trainer import train
+
+    return train(config, resume=args.resume).summary()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m labkit", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
+    _train_parser(sub)
     _eval_parser(sub)
     args = parser.parse_args(argv)
     try:
-        result = run_eval(args)
-    except (ValueError, FileNotFoundError, OSError) as e:
+        result = run_train(args) if args.command == "train" else run_eval(args)
+    except (ValueError, FileNotFoundError, FileExistsError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if args.command == "train":
+        print(json.dumps(result))
+        return 0
     width = max(map(len, result))
     for key, value in result.items():
         shown = f"{value:.3f}" if isinstance(value, float) else value

@@ -13,6 +13,7 @@ import torch
 from tqdm.auto import tqdm
 
 from labkit.rewards import correctness
+from labkit.rollout import rollout
 from labkit.tasks import Problem, format_prompt
 
 
@@ -74,7 +75,9 @@ def evaluate(model, tokenizer, problems: Sequence[Problem], *, samples: int = 4,
              batch_size: int = 256, seed: int = 0, progress: bool = False) -> dict:
     """Greedy accuracy and sampled pass@1 (and pass@k) of the model on `problems`.
 
-    pass@1 is the mean correctness of `samples` draws per problem at `temperature`; pass@k
+    Completions come from `rollout` (one prefill per prompt); `generate` above is the plain
+    `model.generate` path it is tested against. pass@1 is the mean correctness of `samples`
+    draws per problem at `temperature`, drawn from `seed`; pass@k
     uses the unbiased estimator over the same draws (k defaults to `samples`). `samples=0`
     measures greedy accuracy alone.
     Keys: `eval/accuracy` (greedy), `eval/pass@1`, `eval/pass@{k}`, `eval/length` (mean
@@ -95,21 +98,32 @@ def evaluate(model, tokenizer, problems: Sequence[Problem], *, samples: int = 4,
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     prompts = [p.prompt for p in problems]
     answers = [p.answer for p in problems]
-    greedy = generate(model, tokenizer, prompts, do_sample=False, batch_size=batch_size,
-                      max_new_tokens=max_new_tokens, progress=progress)
+    greedy = complete(model, tokenizer, prompts, greedy=True, max_new_tokens=max_new_tokens,
+                      batch_size=batch_size, progress=progress)
     greedy_ok = correctness(greedy, answer=answers)
     figures = {"eval/accuracy": sum(greedy_ok) / len(problems),
                "eval/length": sum(map(len, greedy)) / len(problems), "eval/n": len(problems)}
     if samples == 0:
         return figures
-    devices = [model.device] if model.device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(seed)
-        drawn = generate(model, tokenizer, prompts, do_sample=True, temperature=temperature,
-                         num_return_sequences=samples, batch_size=max(1, batch_size // samples),
-                         max_new_tokens=max_new_tokens, progress=progress)
+    drawn = complete(model, tokenizer, prompts, group_size=samples, temperature=temperature,
+                     max_new_tokens=max_new_tokens, batch_size=max(1, batch_size // samples),
+                     seed=seed, progress=progress)
     drawn_ok = correctness(drawn, answer=[a for a in answers for _ in range(samples)])
     correct = [int(sum(drawn_ok[i * samples:(i + 1) * samples])) for i in range(len(problems))]
     figures["eval/pass@1"] = sum(correct) / (samples * len(problems))
     figures[f"eval/pass@{k}"] = sum(pass_at_k(samples, c, k) for c in correct) / len(problems)
     return figures
+
+
+def complete(model, tokenizer, prompts: Sequence[str], *, group_size: int = 1,
+             greedy: bool = False, temperature: float = 1.0, max_new_tokens: int = 16,
+             batch_size: int = 256, seed: int = 0, progress: bool = False) -> list[str]:
+    """Completion texts, `group_size` per prompt (next to each other), through `rollout`
+    in chunks of `batch_size` prompts; chunk c draws with seed `seed + c`."""
+    out: list[str] = []
+    starts = range(0, len(prompts), batch_size)
+    for c, start in enumerate(tqdm(starts, desc="evaluate", disable=not progress, leave=False)):
+        out += rollout(model, tokenizer, prompts[start:start + batch_size], greedy=greedy,
+                       group_size=group_size, temperature=temperature,
+                       max_new_tokens=max_new_tokens, seed=seed + c).texts
+    return out

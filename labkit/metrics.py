@@ -32,6 +32,9 @@ METRICS: dict[str, str] = {
         "mean completion length in tokens (unmasked tokens per row, EOS included)",
     "rollout/length_max": "longest completion of the step, in tokens",
     "rollout/truncated_frac": "fraction of completions that hit max_new_tokens without EOS",
+    "rollout/kept_frac":
+        "GRPO: fraction of the N completions the update used (dynamic sampling drops the groups "
+        "whose rewards are all equal; 1 without it)",
     "adv/mean":
         "mean advantage over the N completions, or over the unmasked tokens for (N, T) advantages",
     "adv/std": "std of the advantages (divides by the count), same selection as adv/mean",
@@ -68,6 +71,11 @@ METRICS: dict[str, str] = {
     "loss/total": "the scalar that is back-propagated",
     "perf/step_s": "wall-clock seconds of the step, rollout and update",
     "perf/tokens_per_s": "unmasked completion tokens of the step divided by perf/step_s",
+    "perf/rollout_s": "wall-clock seconds of the rollout and the reward of the step",
+    "perf/update_s": "wall-clock seconds of the update of the step (advantages, losses, optimizer)",
+    "perf/mem_mb":
+        "peak memory in MiB: CUDA memory allocated during the step on a GPU, the process's peak "
+        "resident set so far on the CPU",
     "perf/grad_norm": "global L2 norm of the policy gradient before clipping",
     "opt/lr": "learning rate of the policy optimizer at this step",
     "eval/accuracy": "greedy accuracy on the held-out problems",

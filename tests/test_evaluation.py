@@ -166,6 +166,7 @@ def test_evaluate_bad_arguments(tiny, kwargs, name, monkeypatch):
         raise AssertionError("generation started before the arguments were checked")
 
     monkeypatch.setattr(labkit.evaluation, "generate", no_work)
+    monkeypatch.setattr(labkit.evaluation, "rollout", no_work)
     kwargs = {"problems": DEFAULT_TASK.sample(1, "test"), **kwargs}
     with pytest.raises(ValueError, match=name):
         evaluate(*tiny, **kwargs)

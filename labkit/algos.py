@@ -1,0 +1,222 @@
+"""GRPO and PPO: one step each, built from the blocks in the order of DESIGN.md.
+
+    prompts --rollout--> RolloutBatch --reward--> r (N,) --advantage--> A --loss--> update
+
+The two steps differ only in the advantage arrow and the critic: GRPO compares the G
+completions of a prompt with each other (no critic); PPO asks a learned critic for a value
+per token and runs GAE on token rewards. Everything else (rollout, reward, clipped loss,
+optimizer) is shared. `labkit.trainer.train` repeats a step and owns the run.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from labkit import advantages as adv
+from labkit import losses
+from labkit.config import TrainConfig
+from labkit.metrics import masked_mean
+from labkit.rollout import RolloutBatch
+from labkit.scoring import token_logprobs, token_values
+
+
+@dataclass
+class StepOutput:
+    """What a step hands back for metrics and live plots."""
+
+    advantages: Tensor
+    """(N,) for GRPO, (N, T) for PPO."""
+    stats: dict
+    """Loss terms, clip fractions, grad norm... averaged over the step's optimizer steps."""
+    values: Tensor | None = None
+    """PPO: the critic's values (N, T) before the update."""
+    returns: Tensor | None = None
+    """PPO: GAE returns (N, T), the critic's target."""
+
+
+@dataclass
+class Learner:
+    """What one step updates: the policy (and PPO's critic), their optimizers and schedules."""
+
+    policy: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    accelerator: object
+    reference: torch.nn.Module | None = None
+    critic: torch.nn.Module | None = None
+    critic_optimizer: torch.optim.Optimizer | None = None
+    critic_scheduler: object = None
+
+
+def group_advantages(config: TrainConfig, rewards: Tensor) -> Tensor:
+    """GRPO's arrow: one advantage per completion (N,), from its group alone."""
+    G = config.group_size
+    if config.estimator == "grpo":
+        return adv.grpo(rewards, G, scale=config.scale, unbiased=config.std_unbiased)
+    if config.estimator == "dr_grpo":
+        return adv.dr_grpo(rewards, G)
+    return adv.rloo(rewards, G)
+
+
+def kept_rows(config: TrainConfig, rewards: Tensor) -> Tensor:
+    """Row indices the update uses: all, or (dynamic sampling) those of mixed groups."""
+    N = rewards.shape[0]
+    if not config.dynamic_sampling:
+        return torch.arange(N, device=rewards.device)
+    groups = rewards.view(-1, config.group_size)  # (B, G)
+    mixed = groups.amax(-1) != groups.amin(-1)  # (B,)
+    return torch.nonzero(mixed.repeat_interleave(config.group_size)).squeeze(-1)
+
+
+def _micro_batches(config: TrainConfig, rows: Tensor, step_seed: int):
+    """For each optimizer step, its micro-batches of row indices (a shuffled split)."""
+    generator = torch.Generator().manual_seed(step_seed)
+    for _ in range(config.num_iterations):
+        order = rows[torch.randperm(len(rows), generator=generator).to(rows.device)]
+        for minibatch in order.chunk(config.minibatches):
+            yield [m for m in minibatch.chunk(config.grad_accum) if len(m)]
+
+
+def _share(config: TrainConfig, mask: Tensor, micro: Tensor, minibatch: Tensor) -> float:
+    """The weight of a micro-batch's aggregated loss in its minibatch's: its token share for
+    token-mean, its row share otherwise, so accumulation equals one pass over the minibatch."""
+    if config.agg == "token-mean":
+        return mask[micro].sum().item() / max(mask[minibatch].sum().item(), 1)
+    return len(micro) / len(minibatch)
+
+
+def _optimizer_step(learner: Learner, parameters, optimizer, scheduler, max_norm: float):
+    norm = torch.tensor(0.0)
+    if max_norm > 0:
+        norm = learner.accelerator.clip_grad_norm_(parameters, max_norm)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return float(norm)
+
+
+def policy_terms(config: TrainConfig, learner: Learner, batch: RolloutBatch, micro: Tensor,
+                 advantages: Tensor, ref_logp: Tensor | None) -> tuple[Tensor, dict]:
+    """The policy's loss on rows `micro`: clipped surrogate (or REINFORCE) + beta KL - entropy."""
+    want_entropy_grad = config.entropy_coef > 0
+    logp, ent = token_logprobs(learner.policy, batch, micro, temperature=config.temperature,
+                               with_entropy=True, entropy_grad=want_entropy_grad)
+    mask = batch.completion_mask[micro]
+    agg = dict(agg=config.agg, max_len=config.max_new_tokens)
+    A = advantages[micro]
+    if config.reinforce:  # on-policy: the ratio is 1, so its gradient is A * grad logp
+        A_t = A if A.dim() == 2 else A[:, None].expand_as(logp)
+        pg, stats = losses.aggregate(-A_t * logp, mask, **agg), {}
+    else:
+        pg, stats = losses.policy_loss(logp, batch.old_logprobs[micro], A, mask,
+                                       eps_low=config.eps_low, eps_high=config.eps_high,
+                                       dual_clip=config.dual_clip, level=config.ratio_level,
+                                       **agg)
+    total = pg
+    stats = {**stats, "loss/policy": pg.item(), "policy/entropy": masked_mean(ent, mask)}
+    if ref_logp is not None and config.algo == "grpo":
+        kl_t = losses.kl(logp, ref_logp[micro], config.kl_kind)
+        kl_loss = losses.aggregate(kl_t, mask, **agg)
+        total = total + config.beta * kl_loss
+        stats |= {"loss/kl": config.beta * kl_loss.item(),
+                  "policy/kl": masked_mean(kl_t.detach(), mask)}
+    if want_entropy_grad:
+        ent_loss = losses.aggregate(ent, mask, **agg)
+        total = total - config.entropy_coef * ent_loss
+        stats["loss/entropy"] = -config.entropy_coef * ent_loss.item()
+    return total, stats
+
+
+def update(config: TrainConfig, learner: Learner, batch: RolloutBatch, rows: Tensor,
+           advantages: Tensor, step_seed: int, *, ref_logp: Tensor | None = None,
+           old_values: Tensor | None = None, returns: Tensor | None = None) -> dict:
+    """num_iterations x minibatches optimizer steps over `rows`; mean of their stats."""
+    acc, sums, counts = learner.accelerator, defaultdict(float), defaultdict(int)
+    mask = batch.completion_mask
+    for micro_batches in _micro_batches(config, rows, step_seed):
+        minibatch = torch.cat(micro_batches)
+        for micro in micro_batches:
+            share = _share(config, mask, micro, minibatch)
+            with acc.autocast():
+                loss, stats = policy_terms(config, learner, batch, micro, advantages, ref_logp)
+                if learner.critic is not None:
+                    values = token_values(learner.critic, batch, micro)
+                    v_loss, v_stats = losses.value_loss(
+                        values, old_values[micro], returns[micro], mask[micro],
+                        clip=config.value_clip, agg=config.agg, max_len=config.max_new_tokens)
+                    stats |= {**v_stats, "loss/value": v_loss.item()}
+                    loss = loss + v_loss  # separate networks: each gets its own gradient
+            if not torch.isfinite(loss):
+                raise FloatingPointError(f"non-finite loss ({loss.item()}) in the update")
+            stats["loss/total"] = loss.item()
+            acc.backward(loss * share)
+            for key, value in stats.items():
+                sums[key] += value * share
+        sums["perf/grad_norm"] += _optimizer_step(learner, learner.policy.parameters(),
+                                                  learner.optimizer, learner.scheduler,
+                                                  config.max_grad_norm)
+        if learner.critic is not None:
+            _optimizer_step(learner, learner.critic.parameters(), learner.critic_optimizer,
+                            learner.critic_scheduler, config.max_grad_norm)
+        counts["steps"] += 1
+    n = max(counts["steps"], 1)
+    return {key: value / n for key, value in sums.items()}
+
+
+@torch.no_grad()
+def _reference_logprobs(config: TrainConfig, learner: Learner, batch: RolloutBatch):
+    if learner.reference is None:
+        return None
+    with learner.accelerator.autocast():
+        logp, _ = token_logprobs(learner.reference, batch, temperature=config.temperature)
+    return logp
+
+
+def grpo_step(config: TrainConfig, learner: Learner, batch: RolloutBatch, rewards: Tensor,
+              step_seed: int) -> StepOutput:
+    """One GRPO update from a rollout and its rewards (advantages (N,)).
+
+    Departures from PPO: no critic; the baseline is the group's mean reward (and, for grpo,
+    the scale its std); KL to the reference sits in the loss, not in the reward.
+    """
+    advantages = group_advantages(config, rewards)  # (N,)
+    rows = kept_rows(config, rewards)
+    stats = {"rollout/kept_frac": len(rows) / rewards.shape[0]}
+    if len(rows) == 0:  # every group had equal rewards: nothing to learn this step
+        return StepOutput(advantages, stats)
+    ref_logp = _reference_logprobs(config, learner, batch)
+    stats |= update(config, learner, batch, rows, advantages, step_seed, ref_logp=ref_logp)
+    return StepOutput(advantages, stats)
+
+
+def ppo_step(config: TrainConfig, learner: Learner, batch: RolloutBatch, rewards: Tensor,
+             step_seed: int) -> StepOutput:
+    """One PPO update (token advantages (N, T)).
+
+    The scalar reward sits on each completion's last token, minus beta * KL to the reference
+    on every token; the critic's values turn these token rewards into GAE advantages
+    (whitened over the batch) and returns, the critic's regression target.
+    """
+    mask = batch.completion_mask
+    ref_logp = _reference_logprobs(config, learner, batch)
+    with torch.no_grad(), learner.accelerator.autocast():
+        old_values = token_values(learner.critic, batch).float()  # (N, T)
+    token_rewards = losses.ppo_token_rewards(
+        rewards, mask, logp=batch.old_logprobs if ref_logp is not None else None,
+        ref_logp=ref_logp, beta=config.beta if ref_logp is not None else 0.0,
+        kind=config.kl_kind)
+    advantages, returns = adv.gae(token_rewards, old_values, mask, gamma=config.gamma,
+                                  lam=config.lam)
+    if config.whiten_advantages:
+        advantages = adv.whiten(advantages, mask)
+    rows = torch.arange(rewards.shape[0], device=rewards.device)
+    stats = update(config, learner, batch, rows, advantages, step_seed,
+                   old_values=old_values, returns=returns)
+    if ref_logp is not None:
+        stats["policy/kl"] = masked_mean(losses.kl(batch.old_logprobs, ref_logp,
+                                                   config.kl_kind), mask)
+    return StepOutput(advantages, stats, values=old_values, returns=returns)

@@ -1,0 +1,293 @@
+"""The training loop: repeat a GRPO or PPO step, evaluate, log, checkpoint, resume.
+
+Every random draw of step s is seeded from (seed, s): the prompts, the samples, the
+minibatch order. With the model, optimizer and scheduler restored from a checkpoint, a
+resumed run therefore logs the same metrics as an uninterrupted one (on the CPU).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import resource
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from labkit import metrics as M
+from labkit import runs
+from labkit.algos import Learner, StepOutput, grpo_step, ppo_step
+from labkit.config import TrainConfig
+from labkit.evaluation import complete, evaluate
+from labkit.rewards import correctness
+from labkit.rollout import RolloutBatch, rollout
+from labkit.tasks import ArithmeticTask, Problem, _bucket, load_gsm8k
+
+EVAL_SEED = 1234
+"""Seed of the held-out problems: the same eval set for every run seed, so runs compare."""
+
+
+@dataclass
+class StepReport:
+    """What a callback receives after each step (live plots read it)."""
+
+    step: int
+    metrics: dict
+    rewards: torch.Tensor
+    """(N,) rewards of the step's completions, G per prompt next to each other."""
+    advantages: torch.Tensor
+    """(N,) for GRPO, (N, T) for PPO."""
+    batch: RolloutBatch
+    config: TrainConfig
+
+
+@dataclass
+class RunResult:
+    """Where a run wrote and how it went; `history` holds every metrics.jsonl record."""
+
+    run_dir: Path
+    config: TrainConfig
+    steps: int
+    accuracy_before: float
+    accuracy_after: float
+    wall_s: float
+    history: list[dict] = field(default_factory=list)
+
+    def summary(self) -> dict:
+        return {"algo": self.config.algo, "steps": self.steps, "accuracy_before": self.accuracy_before,
+                "accuracy_after": self.accuracy_after, "wall_s": round(self.wall_s, 2),
+                "run_dir": str(self.run_dir)}
+
+
+class ProblemSource:
+    """Training prompts for each step, and the fixed held-out problems."""
+
+    def __init__(self, config: TrainConfig):
+        self.config = config
+        if config.task == "arithmetic":
+            self.task = ArithmeticTask(digits=config.digits, operands=config.operands,
+                                       ops=config.ops)
+            self.eval = self.task.sample(config.eval_n, "test", seed=EVAL_SEED, distinct=True)
+        else:
+            everything = load_gsm8k(config.gsm8k_path)
+            self.train = [p for p in everything if _bucket(p.prompt) >= 20]
+            held_out = [p for p in everything if _bucket(p.prompt) < 20]
+            if not self.train or not held_out:
+                raise ValueError(f"{config.gsm8k_path} is too small to split into train and "
+                                 "held-out problems")
+            self.eval = held_out[:config.eval_n]
+        self.cgc = self.eval[:config.cgc_prompts]
+
+    def draw(self, step_seed: int) -> list[Problem]:
+        B = self.config.batch_prompts
+        if self.config.task == "arithmetic":
+            return self.task.sample(B, "train", seed=step_seed)
+        return random.Random(step_seed).choices(self.train, k=B)
+
+
+def _schedule(config: TrainConfig) -> Callable[[int], float]:
+    """Learning-rate multiplier per optimizer step: linear warmup, then cosine or constant."""
+    total, warm = config.optimizer_steps, config.warmup_steps
+
+    def factor(step: int) -> float:
+        if step < warm:
+            return (step + 1) / warm
+        if config.schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - warm) / max(1, total - warm))
+        return config.min_lr_ratio + (1 - config.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    return factor
+
+
+def _accelerator(config: TrainConfig):
+    from accelerate import Accelerator
+
+    from labkit.models import resolve_device
+
+    device = resolve_device(config.device)
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)
+    precision = config.precision
+    if precision == "auto":
+        precision = "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
+    return Accelerator(cpu=device.type == "cpu",
+                       mixed_precision="bf16" if precision == "bf16" else "no")
+
+
+def build_learner(config: TrainConfig, accelerator):
+    """Policy (+ frozen reference when beta > 0, + critic for PPO), optimizers, schedules."""
+    from labkit.models import load
+    from labkit.scoring import ValueModel
+
+    policy, tokenizer = load(config.model, device=accelerator.device, dtype="fp32")
+    reference = None
+    if config.beta > 0:
+        reference, _ = load(config.model, device=accelerator.device, dtype="fp32")
+        reference.requires_grad_(False)
+    factor = _schedule(config)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=config.lr,
+                                  weight_decay=config.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    policy.train()
+    if config.algo == "ppo":
+        critic = ValueModel(policy).train()
+        critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=config.critic_lr,
+                                             weight_decay=config.weight_decay)
+        critic_scheduler = torch.optim.lr_scheduler.LambdaLR(critic_optimizer, factor)
+        policy, optimizer, scheduler, critic, critic_optimizer, critic_scheduler = \
+            accelerator.prepare(policy, optimizer, scheduler, critic, critic_optimizer,
+                                critic_scheduler)
+        learner = Learner(policy, optimizer, scheduler, accelerator, reference, critic,
+                          critic_optimizer, critic_scheduler)
+    else:
+        policy, optimizer, scheduler = accelerator.prepare(policy, optimizer, scheduler)
+        learner = Learner(policy, optimizer, scheduler, accelerator, reference)
+    return learner, tokenizer
+
+
+def _state(learner: Learner) -> dict:
+    acc = learner.accelerator
+    state = {"policy": acc.unwrap_model(learner.policy).state_dict(),
+             "optimizer": learner.optimizer.state_dict(),
+             "scheduler": learner.scheduler.state_dict()}
+    if learner.critic is not None:
+        state |= {"critic": acc.unwrap_model(learner.critic).state_dict(),
+                  "critic_optimizer": learner.critic_optimizer.state_dict(),
+                  "critic_scheduler": learner.critic_scheduler.state_dict()}
+    return state
+
+
+def _restore(learner: Learner, state: dict) -> None:
+    acc = learner.accelerator
+    acc.unwrap_model(learner.policy).load_state_dict(state["policy"])
+    learner.optimizer.load_state_dict(state["optimizer"])
+    learner.scheduler.load_state_dict(state["scheduler"])
+    if learner.critic is not None:
+        acc.unwrap_model(learner.critic).load_state_dict(state["critic"])
+        learner.critic_optimizer.load_state_dict(state["critic_optimizer"])
+        learner.critic_scheduler.load_state_dict(state["critic_scheduler"])
+    runs.set_rng_state(state["rng"])
+
+
+def run_eval(config: TrainConfig, policy, tokenizer, source: ProblemSource) -> dict:
+    """Held-out greedy accuracy, pass@1 / pass@k, mean length, and CGC on fixed prompts."""
+    figures = evaluate(policy, tokenizer, source.eval, samples=config.eval_samples,
+                       temperature=config.temperature, max_new_tokens=config.max_new_tokens,
+                       seed=EVAL_SEED)
+    if source.cgc and config.group_size >= 2:
+        texts = complete(policy, tokenizer, [p.prompt for p in source.cgc],
+                         group_size=config.group_size, temperature=config.temperature,
+                         max_new_tokens=config.max_new_tokens, seed=EVAL_SEED + 1)
+        rewards = correctness(texts, answer=[p.answer for p in source.cgc
+                                             for _ in range(config.group_size)])
+        figures["eval/cgc"] = M.cgc(torch.tensor(rewards), config.group_size)
+    return figures
+
+
+def _memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def train(config: TrainConfig | None = None, *, resume: str | Path | None = None,
+          callbacks: Sequence[Callable[[StepReport], None]] = ()) -> RunResult:
+    """Run (or resume) a training run and return where it wrote and how it went."""
+    start_time = time.perf_counter()
+    if resume is not None:
+        run_dir = Path(resume)
+        config = TrainConfig.from_dict(runs.read_config(run_dir))
+    else:
+        config = config or TrainConfig()
+        run_dir = runs.claim_run_dir(config.run_dir) if config.run_dir else \
+            runs.new_run_dir(config.algo)
+        runs.write_config(run_dir, config.to_dict())
+    random.seed(config.seed)
+    torch.manual_seed(config.seed)
+    accelerator = _accelerator(config)
+    learner, tokenizer = build_learner(config, accelerator)
+    source = ProblemSource(config)
+    step_fn = grpo_step if config.algo == "grpo" else ppo_step
+    metrics_path, first = run_dir / "metrics.jsonl", 1
+    checkpoint = runs.latest_checkpoint(run_dir) if resume is not None else None
+    if checkpoint is not None:
+        state = runs.load_checkpoint(checkpoint)
+        _restore(learner, state)
+        first = state["step"] + 1
+        runs.truncate_metrics(metrics_path, state["step"])
+    elif resume is not None:
+        runs.truncate_metrics(metrics_path, -1)  # killed before its first checkpoint: restart
+    history = runs.read_metrics(metrics_path)
+    writer = runs.MetricsWriter(metrics_path)
+    policy = accelerator.unwrap_model(learner.policy)
+    device = accelerator.device
+    if first == 1:
+        record = {"step": 0, **run_eval(config, policy, tokenizer, source)}
+        writer.write(record)
+        history.append(record)
+    accuracy = [r["eval/accuracy"] for r in history if "eval/accuracy" in r]
+    bar = tqdm(range(first, config.steps + 1), desc=config.algo, disable=not config.progress,
+               initial=first - 1, total=config.steps)
+    step = first - 1
+    try:
+        for step in bar:
+            record = _one_step(config, learner, tokenizer, source, step_fn, step, device)
+            report = record.pop("_report")
+            if step % config.eval_every == 0 or step == config.steps:
+                record |= run_eval(config, policy, tokenizer, source)
+                accuracy.append(record["eval/accuracy"])
+            record = {"step": step, **record}
+            writer.write(record)
+            history.append(record)
+            for callback in callbacks:
+                callback(StepReport(step, record, report[0], report[1], report[2], config))
+            bar.set_postfix(reward=f"{record['rollout/reward_mean']:.2f}",
+                            acc=f"{accuracy[-1]:.2f}" if accuracy else "-")
+            if config.checkpoint_every and step % config.checkpoint_every == 0:
+                runs.save_checkpoint(run_dir, step, _state(learner))
+    except FloatingPointError as e:
+        runs.save_checkpoint(run_dir, step - 1, _state(learner))
+        raise RuntimeError(f"step {step}: {e}; the run stopped, its last checkpoint is in "
+                           f"{run_dir / runs.CHECKPOINTS}") from e
+    finally:
+        writer.close()
+        bar.close()
+    runs.save_checkpoint(run_dir, config.steps, _state(learner))
+    policy.save_pretrained(run_dir / "final")
+    tokenizer.save_pretrained(run_dir / "final")
+    return RunResult(run_dir, config, config.steps, accuracy[0] if accuracy else float("nan"),
+                     accuracy[-1] if accuracy else float("nan"),
+                     time.perf_counter() - start_time, history)
+
+
+def _one_step(config, learner, tokenizer, source, step_fn, step: int, device) -> dict:
+    """Rollout, reward, update and metrics of step `step`."""
+    step_seed = config.seed * 1_000_003 + step
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    t0 = time.perf_counter()
+    problems = source.draw(step_seed)
+    policy = learner.accelerator.unwrap_model(learner.policy)
+    batch = rollout(policy, tokenizer, [p.prompt for p in problems],
+                    group_size=config.group_size, max_new_tokens=config.max_new_tokens,
+                    temperature=config.temperature, top_k=config.top_k, top_p=config.top_p,
+                    seed=step_seed)
+    answers = [p.answer for p in problems for _ in range(config.group_size)]
+    rewards = torch.tensor(correctness(batch.texts, answer=answers), device=device)
+    t1 = time.perf_counter()
+    out: StepOutput = step_fn(config, learner, batch, rewards, step_seed)
+    t2 = time.perf_counter()
+    tokens = int(batch.completion_mask.sum())
+    extra = {**out.stats, "perf/rollout_s": t1 - t0, "perf/update_s": t2 - t1,
+             "perf/step_s": t2 - t0, "perf/tokens_per_s": tokens / max(t2 - t0, 1e-9),
+             "perf/mem_mb": _memory_mb(device), "opt/lr": learner.scheduler.get_last_lr()[0]}
+    record = M.step_metrics(rewards=rewards, group_size=config.group_size,
+                            advantages=out.advantages, mask=batch.completion_mask,
+                            truncated=batch.truncated, values=out.values, returns=out.returns,
+                            extra=extra)
+    record["_report"] = (rewards, out.advantages, batch)
+    return record

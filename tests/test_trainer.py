@@ -1,0 +1,170 @@
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from labkit.config import TrainConfig
+from labkit.runs import latest_checkpoint, read_metrics
+from labkit.trainer import train
+
+SMOKE = dict(steps=3, batch_prompts=4, group_size=4, max_new_tokens=12, eval_every=2,
+             eval_n=16, eval_samples=2, cgc_prompts=4, progress=False, lr=5e-4)
+PERF = ("perf/",)
+
+
+def _comparable(records):
+    """Records without wall-clock figures, which no two runs share."""
+    return [{k: v for k, v in r.items() if not k.startswith(PERF)} for r in records]
+
+
+@pytest.mark.parametrize("algo", ["grpo", "ppo"])
+def test_smoke_run_writes_a_complete_run_directory(tmp_path, algo):
+    config = TrainConfig(algo=algo, run_dir=str(tmp_path / "run"), **SMOKE)
+    result = train(config)
+    run = result.run_dir
+    records = read_metrics(run / "metrics.jsonl")
+    assert [r["step"] for r in records] == [0, 1, 2, 3]
+    for r in records[1:]:
+        for key in ("rollout/reward_mean", "rollout/frac_zero_std", "adv/gav", "adv/std",
+                    "loss/policy", "loss/total", "policy/entropy", "clip/low", "clip/high",
+                    "perf/step_s", "perf/tokens_per_s", "perf/mem_mb", "opt/lr"):
+            assert key in r, key
+            assert math.isfinite(r[key]), (key, r[key])
+    if algo == "ppo":
+        assert all("loss/value" in r and "value/explained_var" in r for r in records[1:])
+    for step in (0, 2, 3):  # before the first step, every eval_every, and at the end
+        assert "eval/accuracy" in records[step] and "eval/pass@2" in records[step]
+        assert "eval/cgc" in records[step]
+    saved = json.loads((run / "config.json").read_text())
+    assert saved["config"] == config.to_dict()
+    assert saved["versions"]["torch"] == torch.__version__
+    assert "git_commit" in saved
+    assert latest_checkpoint(run).name == "step_000003.pt"
+    assert (run / "final" / "config.json").is_file()
+    assert result.accuracy_before == records[0]["eval/accuracy"]
+    assert result.accuracy_after == records[-1]["eval/accuracy"]
+
+
+def test_same_seed_same_metrics(tmp_path):
+    a = train(TrainConfig(run_dir=str(tmp_path / "a"), seed=3, **SMOKE))
+    b = train(TrainConfig(run_dir=str(tmp_path / "b"), seed=3, **SMOKE))
+    c = train(TrainConfig(run_dir=str(tmp_path / "c"), seed=4, **SMOKE))
+    assert _comparable(a.history) == _comparable(b.history)
+    assert _comparable(a.history)[1:] != _comparable(c.history)[1:]
+
+
+class Stop(Exception):
+    pass
+
+
+@pytest.mark.parametrize("algo", ["grpo", "ppo"])
+def test_resume_continues_like_an_uninterrupted_run(tmp_path, algo):
+    settings = dict(SMOKE, steps=4, checkpoint_every=2, algo=algo, seed=1)
+    whole = train(TrainConfig(run_dir=str(tmp_path / "whole"), **settings))
+
+    def crash_after_step_3(report):
+        if report.step == 3:
+            raise Stop
+
+    with pytest.raises(Stop):
+        train(TrainConfig(run_dir=str(tmp_path / "cut"), **settings),
+              callbacks=[crash_after_step_3])
+    # step 3 was written, but the last checkpoint is step 2: resume redoes step 3
+    assert [r["step"] for r in read_metrics(tmp_path / "cut" / "metrics.jsonl")] == [0, 1, 2, 3]
+    resumed = train(resume=tmp_path / "cut")
+    assert _comparable(resumed.history) == _comparable(whole.history)
+    assert _comparable(read_metrics(tmp_path / "cut" / "metrics.jsonl")) == \
+        _comparable(whole.history)
+
+
+def _one_update(tmp_path, name, **kwargs):
+    config = TrainConfig(run_dir=str(tmp_path / name), **dict(SMOKE, steps=1, eval_n=4,
+                                                                 cgc_prompts=0, eval_samples=0,
+                                                                 **kwargs))
+    result = train(config)
+    return result, torch.load(latest_checkpoint(result.run_dir), weights_only=False)["policy"]
+
+
+def test_gradient_accumulation_equals_one_pass(tmp_path):
+    for agg in ("token-mean", "seq-mean-token-mean"):
+        _, whole = _one_update(tmp_path, f"one-{agg}", agg=agg, lr=1e-2)
+        _, accumulated = _one_update(tmp_path, f"acc-{agg}", agg=agg, lr=1e-2, grad_accum=4)
+        for key in whole:
+            torch.testing.assert_close(whole[key], accumulated[key], rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("variant", [
+    dict(estimator="dr_grpo", agg="seq-mean-token-sum-norm"),
+    dict(estimator="rloo", agg="seq-mean-token-sum"),
+    dict(ratio_level="sequence", num_iterations=2, minibatches=2),
+    dict(eps_high=0.28, dual_clip=3.0, num_iterations=2),
+    dict(beta=0.04, kl_kind="k1"), dict(beta=0.04, kl_kind="k2"), dict(beta=0.04, kl_kind="k3"),
+    dict(entropy_coef=0.01), dict(dynamic_sampling=True), dict(reinforce=True),
+    dict(scale="batch", std_unbiased=False),
+    dict(algo="ppo", beta=0.05, kl_kind="k1", value_clip=None, whiten_advantages=False),
+])
+def test_variants_run_with_finite_losses(tmp_path, variant):
+    result, _ = _one_update(tmp_path, "v", **variant)
+    record = result.history[1]
+    assert math.isfinite(record["loss/total"]) or record["rollout/kept_frac"] == 0
+    if variant.get("beta") and variant.get("algo", "grpo") == "grpo":
+        assert "loss/kl" in record and record["policy/kl"] >= -1e-6 or \
+            variant["kl_kind"] == "k1"
+    if variant.get("dynamic_sampling"):
+        assert 0 <= record["rollout/kept_frac"] <= 1
+        assert math.isclose(record["rollout/kept_frac"], 1 - record["rollout/frac_zero_std"])
+
+
+def test_non_finite_loss_stops_with_a_checkpoint(tmp_path, monkeypatch):
+    import labkit.algos
+
+    original = labkit.algos.losses.policy_loss
+
+    def poisoned(*args, **kwargs):
+        loss, stats = original(*args, **kwargs)
+        return loss * float("nan"), stats
+
+    monkeypatch.setattr(labkit.algos.losses, "policy_loss", poisoned)
+    with pytest.raises(RuntimeError, match="non-finite loss.*checkpoint"):
+        train(TrainConfig(run_dir=str(tmp_path / "nan"), **dict(SMOKE, eval_n=4)))
+    assert latest_checkpoint(tmp_path / "nan") is not None
+
+
+def test_run_dir_that_holds_files_is_refused(tmp_path):
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "metrics.jsonl").write_text("")
+    with pytest.raises(FileExistsError, match="run_dir"):
+        train(TrainConfig(run_dir=str(tmp_path / "busy"), **SMOKE))
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "labkit", "train", *args],
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_train_command_prints_a_json_summary_last(tmp_path):
+    done = _cli("--algo", "grpo", "--steps", "2", "--batch-prompts", "2", "--group-size", "2",
+                "--eval-n", "8", "--eval-samples", "1", "--cgc-prompts", "2", "--progress",
+                "false", "--run-dir", str(tmp_path / "cli"))
+    assert done.returncode == 0, done.stderr
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    assert set(summary) >= {"algo", "steps", "accuracy_before", "accuracy_after", "wall_s",
+                            "run_dir"}
+    assert summary["algo"] == "grpo" and summary["steps"] == 2
+    assert summary["run_dir"] == str(tmp_path / "cli")
+
+
+@pytest.mark.parametrize("args, name", [
+    (["--group-size", "1"], "group_size"), (["--lr", "0"], "lr"),
+    (["--eps-low", "1.5"], "eps_low"), (["--agg", "mean"], "agg"),
+    (["--steps", "ten"], "--steps"), (["--dynamic-sampling", "maybe"], "--dynamic-sampling"),
+    (["--model", "/no/such/model"], "model"), (["--resume", "/no/such/run"], "config.json"),
+])
+def test_train_command_bad_input_is_one_clear_line(args, name):
+    done = _cli(*args)
+    assert done.returncode == 2
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:") and name in lines[0], done.stderr
