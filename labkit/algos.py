@@ -135,7 +135,7 @@ def update(config: TrainConfig, learner: Learner, batch: RolloutBatch, rows: Ten
            advantages: Tensor, step_seed: int, *, ref_logp: Tensor | None = None,
            old_values: Tensor | None = None, returns: Tensor | None = None) -> dict:
     """num_iterations x minibatches optimizer steps over `rows`; mean of their stats."""
-    acc, sums, counts = learner.accelerator, defaultdict(float), defaultdict(int)
+    acc, sums, steps = learner.accelerator, defaultdict(float), 0
     mask = batch.completion_mask
     for micro_batches in _micro_batches(config, rows, step_seed):
         minibatch = torch.cat(micro_batches)
@@ -162,9 +162,8 @@ def update(config: TrainConfig, learner: Learner, batch: RolloutBatch, rows: Ten
         if learner.critic is not None:
             _optimizer_step(learner, learner.critic.parameters(), learner.critic_optimizer,
                             learner.critic_scheduler, config.max_grad_norm)
-        counts["steps"] += 1
-    n = max(counts["steps"], 1)
-    return {key: value / n for key, value in sums.items()}
+        steps += 1
+    return {key: value / max(steps, 1) for key, value in sums.items()}
 
 
 @torch.no_grad()

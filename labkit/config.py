@@ -45,9 +45,9 @@ class TrainConfig:
     """Seeds the weights' noise, the prompts of each step and every sample."""
 
     # --- sampling ------------------------------------------------------------------
-    steps: int = 200
+    steps: int = 600
     """RL steps; each samples a fresh batch of B prompts x G completions."""
-    batch_prompts: int = 16
+    batch_prompts: int = 32
     """B: prompts per step."""
     group_size: int = 8
     """G: completions per prompt (PPO samples G per prompt too, for an equal budget)."""
@@ -102,7 +102,7 @@ class TrainConfig:
     """PPO: normalise the GAE advantages over the batch's tokens."""
 
     # --- optimisation ------------------------------------------------------------------
-    lr: float = 2e-3
+    lr: float = 1e-3
     """Policy learning rate (AdamW) after warmup."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
@@ -122,7 +122,7 @@ class TrainConfig:
     """Micro-batches per minibatch, accumulated before the optimizer step (same result, less memory)."""
 
     # --- evaluation and runs -------------------------------------------------------------
-    eval_every: int = 25
+    eval_every: int = 100
     """Steps between held-out evaluations (and one before the first step)."""
     eval_n: int = 400
     """Held-out problems per evaluation."""

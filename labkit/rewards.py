@@ -125,8 +125,11 @@ def _grade(completion, gold: str, main_thread: bool) -> float:
     if pred and pred == want:
         return 1.0
     a, b = _decimal(pred), _decimal(want)
-    if a is not None and b is not None and a == b:  # 0.50 == 0.5 without sympy
-        return 1.0
+    if a is not None and b is not None:
+        if a == b:  # 0.50 == 0.5 without sympy
+            return 1.0
+        if a == a.to_integral_value() and b == b.to_integral_value():
+            return 0.0  # two different integers: no need to ask sympy (the common case in RL)
     timeout = PARSE_TIMEOUT if main_thread else None
     try:
         gold_parsed = _parse_gold(want, timeout)

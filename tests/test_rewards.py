@@ -372,3 +372,14 @@ def test_normalize_rejects_2d_and_nan():
         normalize_scores(torch.zeros(2, 3))
     with pytest.raises(ValueError, match="finite"):
         normalize_scores([float("nan")])
+
+
+def test_different_integers_are_graded_without_sympy(monkeypatch):
+    import labkit.rewards as R
+
+    def no_sympy(*args, **kwargs):
+        raise AssertionError("math-verify was asked about two plain integers")
+
+    monkeypatch.setattr(R, "parse", no_sympy)
+    assert R.correctness(["\\boxed{121}", "\\boxed{1,000}", "\\boxed{-7}"],
+                         answer=["122", "1000", "7"]) == [0.0, 1.0, 0.0]
