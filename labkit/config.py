@@ -59,6 +59,9 @@ class TrainConfig:
     """Nucleus sampling: 1.0 turns it off."""
     top_k: int = 0
     """Top-k sampling: 0 turns it off."""
+    score_truncated: bool = False
+    """Grade completions that hit max_new_tokens without EOS; False scores them 0 (they never
+    finished), which keeps the policy from learning to run on past its answer."""
 
     # --- GRPO variants ---------------------------------------------------------------
     estimator: Literal["grpo", "dr_grpo", "rloo"] = "grpo"

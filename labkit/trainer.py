@@ -278,6 +278,8 @@ def _one_step(config, learner, tokenizer, source, step_fn, step: int, device) ->
                     seed=step_seed)
     answers = [p.answer for p in problems for _ in range(config.group_size)]
     rewards = torch.tensor(correctness(batch.texts, answer=answers), device=device)
+    if not config.score_truncated:
+        rewards = rewards.masked_fill(batch.truncated, 0.0)
     t1 = time.perf_counter()
     out: StepOutput = step_fn(config, learner, batch, rewards, step_seed)
     t2 = time.perf_counter()

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from labkit.config import TrainConfig
+from labkit.rewards import correctness
 from labkit.runs import latest_checkpoint, read_metrics
 from labkit.trainer import train
 
@@ -168,3 +169,27 @@ def test_train_command_bad_input_is_one_clear_line(args, name):
     assert done.returncode == 2
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error:") and name in lines[0], done.stderr
+
+
+def test_truncated_completions_score_zero_unless_asked(tmp_path):
+    seen = []
+    settings = dict(SMOKE, steps=1, max_new_tokens=9, eval_n=4, cgc_prompts=0, eval_samples=0)
+    # 9 tokens cut every completion short of "\boxed{NN}<eos>"; a truncated one scores 0
+    train(TrainConfig(run_dir=str(tmp_path / "strict"), **settings),
+          callbacks=[lambda r: seen.append((r.rewards.clone(), r.batch.truncated.clone()))])
+    rewards, truncated = seen[-1]
+    assert truncated.all() and (rewards == 0).all()
+    # scored anyway, a truncated "\boxed{7}" (9 tokens incl. the box) can earn its reward
+    lenient = dict(settings, max_new_tokens=12, score_truncated=True)
+    train(TrainConfig(run_dir=str(tmp_path / "lenient"), **lenient),
+          callbacks=[lambda r: seen.append((r.rewards.clone(), r.batch.texts))])
+    rewards, texts = seen[-1]
+    assert rewards.tolist() == correctness(texts, answer=_answers(lenient))
+
+
+def _answers(settings):
+    from labkit.trainer import ProblemSource
+
+    config = TrainConfig(**{k: v for k, v in settings.items()})
+    problems = ProblemSource(config).draw(config.seed * 1_000_003 + 1)
+    return [p.answer for p in problems for _ in range(config.group_size)]
