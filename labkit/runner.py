@@ -1,0 +1,314 @@
+"""Run a parameterized notebook into a fresh run directory: check, execute, report.
+
+The `parameters` cell is read with `ast`, so every name and type given to a run is checked
+before a kernel starts (papermill itself only warns about an unknown name and never checks a
+type). Execution is papermill's, which saves the executed notebook after every cell: a failed
+cell leaves the partial `notebook.ipynb` behind, and `report.html` is made from whatever ran.
+
+A run directory (DESIGN.md) holds, besides what the notebook writes (`summary.json`,
+`metrics.jsonl`, ...): `parameters.json` (every value the notebook ran with, written before
+the kernel starts), `notebook.ipynb` (papermill's output), `kernel.log` (what the kernel
+process itself printed, outside any cell) and `report.html` (nbconvert, with plotly.js
+embedded so it reads offline).
+
+The runner owns `run_dir`: it creates the folder and injects its absolute path. A user may
+still give `run_dir` on the command line; that folder must be new or empty (`claim_run_dir`).
+The kernel's working directory is the notebook's folder, as in Jupyter, so a notebook behaves
+the same run by hand and run here; notebooks should write only under `run_dir`.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+PARAM_TYPES = {"int": int, "float": float, "str": str, "bool": bool}
+RUNNER_OWNED = "run_dir"
+KERNEL = "python3"
+OUTPUT_NOTEBOOK = "notebook.ipynb"
+REPORT = "report.html"
+PARAMETERS_FILE = "parameters.json"
+SUMMARY = "summary.json"
+KERNEL_LOG = "kernel.log"
+PLOTLY_MARKER = "plotly.js v"  # the banner at the top of the embedded plotly.js bundle
+
+
+@dataclass(frozen=True)
+class Param:
+    """One line of a parameters cell: `name: type = default  # comment`."""
+
+    type: type
+    default: int | float | str | bool
+    comment: str
+
+
+class RunFailed(RuntimeError):
+    """A notebook run that did not finish; the message is one line naming the cell."""
+
+    def __init__(self, message: str, run_dir: Path):
+        super().__init__(message)
+        self.run_dir = run_dir
+
+
+# --- the parameters cell ---------------------------------------------------------------------
+
+def read_notebook(path: str | Path):
+    import nbformat
+
+    path = Path(path)
+    if path.suffix != ".ipynb":
+        raise ValueError(f"{path} is not a notebook (.ipynb)")
+    if not path.is_file():
+        raise FileNotFoundError(f"no notebook at {path}")
+    try:
+        return nbformat.read(path, as_version=4)
+    except Exception as e:  # nbformat raises several unrelated types for a broken file
+        raise ValueError(f"{path} is not a readable notebook: {e}") from None
+
+
+def parameters_source(path: str | Path) -> str:
+    """The source of the notebook's one code cell tagged `parameters`."""
+    cells = [c for c in read_notebook(path).cells
+             if "parameters" in c.get("metadata", {}).get("tags", [])]
+    if len(cells) != 1 or cells[0].cell_type != "code":
+        found = f"{len(cells)} cells" if len(cells) != 1 else "a markdown cell"
+        raise ValueError(f"{Path(path).name} needs exactly one code cell tagged 'parameters', "
+                         f"found {found}")
+    return cells[0].source
+
+
+def notebook_parameters(path: str | Path) -> dict[str, Param]:
+    """Name -> Param of the parameters cell, whose every statement must be a typed literal,
+    `name: type = literal  # comment` with type int, float, str or bool."""
+    name = Path(path).name
+    source = parameters_source(path)
+    try:
+        tree = ast.parse(source)
+    except SyntaxError as e:
+        raise ValueError(f"{name}: the parameters cell is not valid Python ({e.msg}, "
+                         f"line {e.lineno})") from None
+    lines = source.splitlines()
+    found: dict[str, Param] = {}
+    for node in tree.body:
+        where = f"{name}: parameters cell line {node.lineno}"
+        if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                and node.value is not None):
+            raise ValueError(f"{where} is not `name: type = literal  # comment`: "
+                             f"{ast.unparse(node)[:60]!r}")
+        key = node.target.id
+        kind = node.annotation.id if isinstance(node.annotation, ast.Name) else None
+        if kind not in PARAM_TYPES:
+            raise ValueError(f"{where}: {key} has type {ast.unparse(node.annotation)!r}; "
+                             f"a parameter is one of {', '.join(PARAM_TYPES)}")
+        try:
+            value = ast.literal_eval(node.value)
+        except ValueError:
+            raise ValueError(f"{where}: {key} = {ast.unparse(node.value)[:60]} is not a literal"
+                             ) from None
+        if key in found:
+            raise ValueError(f"{where}: {key} is defined twice")
+        last = lines[node.end_lineno - 1].encode()[node.end_col_offset:].decode().strip()
+        found[key] = Param(PARAM_TYPES[kind], check_value(key, value, kind, name),
+                           last.lstrip("#").strip() if last.startswith("#") else "")
+    return found
+
+
+def papermill_view(path: str | Path) -> None:
+    """Raise ValueError unless `papermill --help-notebook` lists every parameter with its type:
+    papermill reads the cell with a regex and skips a line holding more than one '=' (in the
+    value or the comment: '>=', 'a=b')."""
+    from papermill.translators import PythonTranslator
+
+    seen = {p.name: p.inferred_type_name
+            for p in PythonTranslator.inspect({"source": parameters_source(path)})}
+    missed = [f"{key} ({param.type.__name__})" for key, param in notebook_parameters(path).items()
+              if seen.get(key) != param.type.__name__]
+    if missed:
+        raise ValueError(f"{Path(path).name}: papermill --help-notebook does not list "
+                         f"{', '.join(missed)}; keep each on one line with a single '=' "
+                         "(none in the value or the comment)")
+
+
+def check_value(name: str, value, kind: str, where: str = ""):
+    """`value` as the declared type `kind`; an int is a float, nothing else converts."""
+    expected = PARAM_TYPES[kind]
+    if isinstance(value, bool) and expected is not bool:
+        ok = False
+    elif expected is float and isinstance(value, int):
+        value, ok = float(value), True
+    else:
+        ok = isinstance(value, expected)
+    if not ok:
+        at = f" of {where}" if where else ""
+        raise ValueError(f"parameter {name}{at} is {kind}, got {value!r} "
+                         f"({type(value).__name__})")
+    return value
+
+
+def parse_value(name: str, text: str, kind: str, where: str = ""):
+    """A command-line string as the declared type: int literals for int, any number for float,
+    true/false for bool, any text for str."""
+    if kind == "str":
+        return text
+    value = None
+    if kind == "bool":
+        value = {"true": True, "false": False}.get(text.strip().lower())
+    elif kind == "int":
+        try:
+            literal = ast.literal_eval(text.strip())
+            value = literal if isinstance(literal, int) and not isinstance(literal, bool) else None
+        except (ValueError, SyntaxError):
+            value = None
+    else:
+        try:
+            value = float(text)
+        except ValueError:
+            value = None
+    if value is None:
+        at = f" of {where}" if where else ""
+        hint = " (true or false)" if kind == "bool" else ""
+        raise ValueError(f"parameter {name}{at} is {kind}{hint}, got {text!r}")
+    return value
+
+
+def unknown_names(notebook: str | Path, names, params: dict[str, Param]) -> None:
+    unknown = [n for n in names if n not in params]
+    if unknown:
+        raise ValueError(f"{Path(notebook).name} has no parameter {', '.join(unknown)}; its "
+                         f"parameters are {', '.join(params)}")
+
+
+def check_parameters(path: str | Path, given: dict[str, str]) -> dict:
+    """Command-line strings -> values of the declared types; ValueError names the culprit."""
+    params = notebook_parameters(path)
+    unknown_names(path, given, params)
+    return {key: parse_value(key, text, params[key].type.__name__, Path(path).name)
+            for key, text in given.items()}
+
+
+# --- execution -------------------------------------------------------------------------------
+
+def _kernel_manager_class(log):
+    """A kernel manager that runs `python3` with this interpreter (the venv's), whichever
+    `python3` kernelspec the Jupyter paths would find first, and sends the kernel process's
+    own stdout and stderr (its start-up warnings, a crash) to the open file `log`."""
+    from ipykernel.kernelspec import get_kernel_dict
+    from jupyter_client import AsyncKernelManager
+    from jupyter_client.kernelspec import KernelSpec
+
+    class ThisPythonKernelManager(AsyncKernelManager):
+        @property
+        def kernel_spec(self):
+            if self._kernel_spec is None:
+                self._kernel_spec = KernelSpec(resource_dir="", **get_kernel_dict())
+            return self._kernel_spec
+
+        async def _async_launch_kernel(self, kernel_cmd, **kw):
+            kw.setdefault("stdout", log)
+            kw.setdefault("stderr", log)
+            return await super()._async_launch_kernel(kernel_cmd, **kw)
+
+    return ThisPythonKernelManager
+
+
+def _failure(notebook: Path, error, out: Path) -> str:
+    from papermill.exceptions import PapermillExecutionError
+
+    if isinstance(error, PapermillExecutionError):
+        lines = [s for s in error.source.splitlines() if s.strip()]
+        first = lines[0].strip()[:60] if lines else ""
+        reason = " ".join(str(error.evalue).split())[:200]
+        what = f"cell In [{error.exec_count}] `{first}` raised {error.ename}: {reason}"
+    else:  # the kernel died, timed out or never started: its own words are in kernel.log
+        what = (f"{type(error).__name__}: {' '.join(str(error).split())[:200]} (see "
+                f"{out.with_name(KERNEL_LOG)})")
+    return f"{notebook.name}: {what} (partial notebook: {out})"
+
+
+def execute(notebook: str | Path, run_dir: str | Path, parameters: dict,
+            progress: bool = True) -> Path:
+    """Execute `notebook` with `parameters` (already checked) into the existing `run_dir`;
+    returns run_dir. Raises RunFailed, after writing the partial notebook and its report."""
+    import papermill as pm
+    from jupyter_client.kernelspec import NoSuchKernel
+    from nbclient.exceptions import CellTimeoutError, DeadKernelError
+    from papermill.exceptions import PapermillExecutionError
+
+    notebook, run_dir = Path(notebook).resolve(), Path(run_dir).resolve()
+    values = {**parameters, RUNNER_OWNED: str(run_dir)}
+    (run_dir / PARAMETERS_FILE).write_text(json.dumps(values, indent=2) + "\n")
+    out = run_dir / OUTPUT_NOTEBOOK
+    try:
+        with open(run_dir / KERNEL_LOG, "ab") as log:
+            pm.execute_notebook(str(notebook), str(out), parameters=values, kernel_name=KERNEL,
+                                language="python", progress_bar=progress,
+                                cwd=str(notebook.parent),
+                                kernel_manager_class=_kernel_manager_class(log))
+    except (PapermillExecutionError, DeadKernelError, CellTimeoutError, NoSuchKernel,
+            RuntimeError) as e:
+        if out.is_file():
+            try:
+                write_report(out, run_dir / REPORT)
+            except Exception:  # the failure is the message; a report of it is a bonus
+                pass
+        raise RunFailed(_failure(notebook, e, out), run_dir) from e
+    write_report(out, run_dir / REPORT)
+    return run_dir
+
+
+def write_report(executed: str | Path, path: str | Path) -> Path:
+    """report.html of an executed notebook, readable offline: when the notebook's plotly
+    figures do not carry plotly.js themselves (a CDN renderer), the bundle is embedded."""
+    import nbformat
+    from nbconvert import HTMLExporter
+
+    nb = nbformat.read(executed, as_version=4)
+    html, _ = HTMLExporter(embed_images=True).from_notebook_node(nb)
+    if "Plotly.newPlot" in html and PLOTLY_MARKER not in html:
+        from plotly.offline import get_plotlyjs
+
+        html = html.replace("</head>", f"<script>{get_plotlyjs()}</script>\n</head>", 1)
+    path = Path(path)
+    path.write_text(html, encoding="utf-8")
+    return path
+
+
+def run_notebook(notebook: str | Path, given: dict[str, str], name: str | None = None,
+                 root: str | Path | None = None, progress: bool = True) -> Path:
+    """`python -m labkit run`: check the command-line values, make the run directory
+    (`root/<name or notebook stem>/<time>-<pid>`, or the given `run_dir`), execute."""
+    from labkit.runs import RUNS_ROOT, claim_run_dir, new_run_dir
+
+    notebook = Path(notebook)
+    values = check_parameters(notebook, given)  # before any folder or kernel exists
+    chosen = values.pop(RUNNER_OWNED, "")
+    if chosen and name:
+        raise ValueError("give --name or -p run_dir, not both")
+    if name is not None and not re.fullmatch(r"[A-Za-z0-9._-]+", name):
+        raise ValueError(f"--name {name!r} must be a folder name (letters, digits, '.', '_', '-')")
+    run_dir = claim_run_dir(chosen) if chosen else \
+        new_run_dir(name or notebook.stem, RUNS_ROOT if root is None else root)
+    return execute(notebook, run_dir, values, progress=progress)
+
+
+def read_summary(run_dir: str | Path) -> dict | None:
+    """The run's summary.json; None when it is missing or torn (the run is not complete)."""
+    path = Path(run_dir) / SUMMARY
+    try:
+        summary = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return summary if isinstance(summary, dict) else None
+
+
+def is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def finite_or_none(value):
+    return value if is_number(value) and math.isfinite(value) else None
+

@@ -1,0 +1,357 @@
+"""Sweeps: one notebook over a parameter grid and seeds, defined by experiments/NAME.yaml.
+
+The YAML (its schema is repeated at the top of each file in experiments/):
+
+    notebook: ../notebooks/01_grpo_vs_ppo.ipynb   # relative to the YAML file
+    name: grpo_vs_ppo            # runs go to experiments/runs/<name>[-smoke]/<run id>
+    parameters: {steps: 300}     # fixed values, one per notebook parameter
+    grid: {group_size: [4, 8]}   # name -> values; the sweep runs their cartesian product
+    seeds: [0, 1]                # every grid point runs once per seed (default [0])
+    smoke:                       # --smoke: a fast variant; each name given here wins,
+      parameters: {steps: 4}     #   a fixed value replacing a grid entry and vice versa,
+      grid: {group_size: [4]}    #   and seeds replacing seeds
+      seeds: [0]
+
+Every value is checked against the notebook's parameters cell before any run starts.
+The run id is the grid values and the seed, `group_size=4,seed=1`, so it is the same on every
+invocation: a run whose folder holds summary.json is skipped (an interrupted sweep resumes),
+a folder without one is moved to `.incomplete/` and run again, and a complete run made with
+other fixed values is an error rather than a silent mix of two experiments.
+"""
+
+from __future__ import annotations
+
+import csv
+import itertools
+import json
+import re
+import shutil
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from html import escape
+from pathlib import Path
+
+from labkit.runner import (PARAMETERS_FILE, RUNNER_OWNED, RunFailed, check_value, execute,
+                           finite_or_none, is_number, notebook_parameters, read_summary,
+                           unknown_names)
+
+KEYS = ("notebook", "name", "parameters", "grid", "seeds", "smoke")
+SMOKE_KEYS = ("parameters", "grid", "seeds")
+CSV_NAME = "sweep.csv"
+PLOT_NAME = "comparison.html"
+INCOMPLETE = ".incomplete"
+
+
+@dataclass
+class Sweep:
+    """A checked sweep: every value has the type its notebook declares."""
+
+    notebook: Path
+    name: str
+    parameters: dict
+    grid: dict[str, list]
+    seeds: list[int]
+
+
+@dataclass
+class Run:
+    """One grid point and seed of a sweep."""
+
+    id: str
+    values: dict
+    """The grid values and the seed (the fixed parameters live in the Sweep)."""
+    path: Path
+    status: str = "todo"
+    """todo, done (complete before this invocation), ok, failed."""
+    message: str = ""
+    summary: dict = field(default_factory=dict)
+
+
+def load_sweep(path: str | Path, smoke: bool = False) -> Sweep:
+    """Read experiments/NAME.yaml (its `smoke:` variant with smoke=True) and check every
+    name and value against the notebook's parameters cell."""
+    import yaml
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no sweep file at {path}")
+    try:
+        spec = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as e:
+        raise ValueError(f"{path} is not valid YAML: {' '.join(str(e).split())}") from None
+    where = path.name
+    _mapping(spec, where, KEYS)
+    for key in ("notebook", "name"):
+        if not isinstance(spec.get(key), str) or not spec[key]:
+            raise ValueError(f"{where}: `{key}:` is required, a string")
+    if not re.fullmatch(r"[A-Za-z0-9._-]+", spec["name"]):
+        raise ValueError(f"{where}: name {spec['name']!r} must be a folder name "
+                         "(letters, digits, '.', '_', '-')")
+    parameters = dict(_mapping(spec.get("parameters") or {}, f"{where}: parameters"))
+    grid = dict(_mapping(spec.get("grid") or {}, f"{where}: grid"))
+    seeds = spec.get("seeds", [0])
+    clash = sorted(set(parameters) & set(grid))
+    if clash:
+        raise ValueError(f"{where}: {', '.join(clash)} both fixed in `parameters:` and varied "
+                         "in `grid:`")
+    name = spec["name"]
+    if smoke:
+        if "smoke" not in spec:
+            raise ValueError(f"{where} has no `smoke:` section")
+        over = _mapping(spec["smoke"] or {}, f"{where}: smoke", SMOKE_KEYS)
+        for key, value in _mapping(over.get("parameters") or {}, f"{where}: smoke.parameters"
+                                   ).items():
+            parameters[key] = value
+            grid.pop(key, None)
+        for key, values in _mapping(over.get("grid") or {}, f"{where}: smoke.grid").items():
+            grid[key] = values
+            parameters.pop(key, None)
+        seeds = over.get("seeds", seeds)
+        name += "-smoke"
+    notebook = (path.parent / spec["notebook"]).resolve()
+    if not notebook.is_file():
+        raise FileNotFoundError(f"{where}: notebook {spec['notebook']} (relative to the YAML "
+                                f"file) not found at {notebook}")
+    return _checked(Sweep(notebook, name, parameters, grid, seeds), where)
+
+
+def _mapping(value, where: str, allowed: tuple = ()) -> dict:
+    if not isinstance(value, dict):
+        raise ValueError(f"{where} must be a mapping, got {type(value).__name__}")
+    extra = [str(k) for k in value if allowed and k not in allowed]
+    if extra:
+        raise ValueError(f"{where}: unknown key(s) {', '.join(extra)}; valid keys: "
+                         f"{', '.join(allowed)}")
+    return value
+
+
+def _checked(sweep: Sweep, where: str) -> Sweep:
+    params = notebook_parameters(sweep.notebook)
+    book = sweep.notebook.name
+    for owned, hint in ((RUNNER_OWNED, "the sweep makes each run's folder"),
+                        ("seed", "list seeds under `seeds:`")):
+        if owned in sweep.parameters or owned in sweep.grid:
+            raise ValueError(f"{where}: {owned} cannot be set here: {hint}")
+    if "seed" not in params:
+        raise ValueError(f"{book} has no `seed` parameter, which a sweep sets")
+    unknown_names(sweep.notebook, [*sweep.parameters, *sweep.grid], params)
+    kind = {k: p.type.__name__ for k, p in params.items()}
+    fixed = {k: check_value(k, v, kind[k], book) for k, v in sweep.parameters.items()}
+    grid = {}
+    for key, values in sweep.grid.items():
+        if not isinstance(values, list) or not values:
+            raise ValueError(f"{where}: grid {key} must be a non-empty list, got {values!r}")
+        grid[key] = [check_value(key, v, kind[key], book) for v in values]
+        if len(set(map(repr, grid[key]))) != len(values):
+            raise ValueError(f"{where}: grid {key} repeats a value: {values}")
+    seeds = sweep.seeds
+    if not isinstance(seeds, list) or not seeds or len(set(map(repr, seeds))) != len(seeds):
+        raise ValueError(f"{where}: seeds must be a non-empty list of distinct ints, got {seeds!r}")
+    seeds = [check_value("seed", s, kind["seed"], book) for s in seeds]
+    return Sweep(sweep.notebook, sweep.name, fixed, grid, seeds)
+
+
+def _slug(value) -> str:
+    return re.sub(r"[^A-Za-z0-9._+-]", "_", str(value))
+
+
+def plan(sweep: Sweep, root: str | Path) -> list[Run]:
+    """Every run of the sweep, in grid order then seed order, with what is already done.
+    A complete run made with other fixed values raises ValueError."""
+    folder = Path(root) / sweep.name
+    runs = []
+    for point in itertools.product(*sweep.grid.values()):
+        for seed in sweep.seeds:
+            values = {**dict(zip(sweep.grid, point)), "seed": seed}
+            run_id = ",".join(f"{k}={_slug(v)}" for k, v in values.items())
+            runs.append(Run(run_id, values, folder / run_id))
+    if len({r.id for r in runs}) != len(runs):
+        raise ValueError(f"two grid points of {sweep.name} give the same run folder name; "
+                         "make the grid values differ in letters or digits")
+    for run in runs:
+        summary = read_summary(run.path)
+        if summary is None:
+            continue
+        run.status, run.summary = "done", summary
+        stored = run.path / PARAMETERS_FILE
+        if stored.is_file():
+            before = json.loads(stored.read_text())
+            before.pop(RUNNER_OWNED, None)
+            now = {**sweep.parameters, **run.values}
+            changed = sorted(k for k in before.keys() | now.keys() if before.get(k) != now.get(k))
+            if changed:
+                key = changed[0]
+                raise ValueError(f"{run.path} was run with {key}={before.get(key)!r}, the sweep "
+                                 f"now says {key}={now.get(key)!r}: move that folder away or "
+                                 "rename the sweep")
+    return runs
+
+
+def _prepare(run: Run) -> None:
+    """A fresh folder for a run that is not complete; an old partial one is kept aside."""
+    if run.path.exists():
+        aside = run.path.parent / INCOMPLETE / f"{run.id}-{time.strftime('%Y%m%d-%H%M%S')}"
+        aside.parent.mkdir(exist_ok=True)
+        shutil.move(str(run.path), str(aside))
+    run.path.mkdir(parents=True)
+
+
+def _execute_one(notebook: Path, run_dir: Path, values: dict) -> str:
+    """Runs in a worker process: '' on success, else a one-line reason."""
+    try:
+        execute(notebook, run_dir, values, progress=False)
+    except RunFailed as e:
+        return str(e)
+    except Exception as e:  # one bad run must not end the sweep
+        return f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
+    if read_summary(run_dir) is None:
+        return f"{notebook.name} finished without writing {run_dir / 'summary.json'}"
+    return ""
+
+
+def run_sweep(sweep: Sweep, root: str | Path, workers: int = 1,
+              progress: bool = True) -> list[Run]:
+    """Run what is not done yet (`workers` notebooks at once), then write sweep.csv and
+    comparison.html into the sweep folder. Returns every run with its status."""
+    from tqdm.auto import tqdm
+
+    if workers < 1:
+        raise ValueError(f"--workers must be >= 1, got {workers}")
+    runs = plan(sweep, root)
+    todo = [r for r in runs if r.status == "todo"]
+    for run in todo:
+        _prepare(run)
+    bar = tqdm(total=len(runs), initial=len(runs) - len(todo), desc=sweep.name, unit="run",
+               disable=not progress)
+
+    def finish(run: Run, message: str) -> None:
+        run.status, run.message = ("failed", message) if message else ("ok", "")
+        run.summary = read_summary(run.path) or {}
+        if message:
+            bar.write(f"failed {run.id}: {message}", file=sys.stderr)
+        bar.update(1)
+
+    try:
+        if workers == 1:
+            for run in todo:
+                bar.set_postfix_str(run.id)
+                finish(run, _execute_one(sweep.notebook, run.path, {**sweep.parameters,
+                                                                     **run.values}))
+        elif todo:
+            import multiprocessing
+            from concurrent.futures import ProcessPoolExecutor, as_completed
+
+            context = multiprocessing.get_context("spawn")  # no forked kernel clients or locks
+            with ProcessPoolExecutor(min(workers, len(todo)), mp_context=context) as pool:
+                futures = {pool.submit(_execute_one, sweep.notebook, run.path,
+                                       {**sweep.parameters, **run.values}): run for run in todo}
+                for future in as_completed(futures):
+                    finish(futures[future], future.result())
+    finally:
+        bar.close()
+    folder = Path(root) / sweep.name
+    write_table(sweep, runs, folder / CSV_NAME)
+    write_comparison(sweep, runs, folder / PLOT_NAME)
+    return runs
+
+
+def write_table(sweep: Sweep, runs: list[Run], path: Path) -> Path:
+    """sweep.csv: one row per run, its parameters, then every key of its summary.json (a key
+    named like a parameter is `summary:<key>`, and left out where it equals the parameter)."""
+    names = [*sweep.grid, "seed", *sweep.parameters]
+    keys: dict[str, None] = {}
+    for run in runs:
+        values = {**sweep.parameters, **run.values}
+        # a summary key that repeats a parameter's value adds nothing to the parameter's column
+        keys.update(dict.fromkeys(k for k, v in run.summary.items()
+                                  if k not in values or v != values[k]))
+    column = {k: (f"summary:{k}" if k in names or k in ("run", "status") else k) for k in keys}
+    with path.open("w", newline="", encoding="utf-8") as f:
+        writer = csv.writer(f)
+        writer.writerow(["run", "status", *names, *column.values()])
+        for run in runs:
+            values = {**sweep.parameters, **run.values}
+            writer.writerow([run.id, "failed" if run.status == "failed" else "ok",
+                             *(values[n] for n in names), *(run.summary.get(k, "") for k in keys)])
+    return path
+
+
+def _x_axis(sweep: Sweep) -> tuple[str | None, list[str]]:
+    """The parameter on the x axis (the grid's first varying one; None when only seeds vary)
+    and the other varying grid parameters, which make one line each."""
+    varying = [k for k, v in sweep.grid.items() if len(v) > 1]
+    return (varying[0], varying[1:]) if varying else (None, [])
+
+
+def _spread(values: list) -> tuple:
+    """Mean, and the distances down to the min and up to the max, of the finite values."""
+    values = [v for v in values if finite_or_none(v) is not None]
+    if not values:
+        return None, None, None
+    mean = statistics.fmean(values)
+    return mean, mean - min(values), max(values) - mean
+
+
+def write_comparison(sweep: Sweep, runs: list[Run], path: Path) -> Path:
+    """comparison.html: a figure per numeric summary field, the mean over seeds with min/max
+    error bars. Keys "<prefix>/<field>" (e.g. "grpo/accuracy_after") share the field's figure.
+    With a varying grid parameter it is the x axis and each prefix and setting of the other
+    varying parameters is a line; with only seeds varying the prefixes are the x axis.
+    Fields named like a notebook parameter (steps, grpo/group_size) echo inputs: left out."""
+    import plotly.graph_objects as go
+    import plotly.io as pio
+
+    x_name, others = _x_axis(sweep)
+    finished = [r for r in runs if r.summary]
+    echoed = set(notebook_parameters(sweep.notebook))
+    keys = [k for k in dict.fromkeys(k for r in finished for k in r.summary)
+            if k.rsplit("/", 1)[-1] not in echoed
+            and all(is_number(r.summary[k]) for r in finished if k in r.summary)]
+    fields: dict[str, list[str]] = {}
+    for key in keys:
+        fields.setdefault(key.rsplit("/", 1)[-1], []).append(key)
+    figures = []
+    for name, members in fields.items():
+        fig = go.Figure()
+        if x_name is None:
+            xs = [k.rsplit("/", 1)[0] if "/" in k else k for k in members]
+            stats = [_spread([r.summary[k] for r in finished if k in r.summary]) for k in members]
+            fig.add_trace(go.Scatter(x=xs, y=[m for m, _, _ in stats], mode="markers",
+                                     name=name, error_y=dict(type="data", symmetric=False,
+                                                             arrayminus=[lo for _, lo, _ in stats],
+                                                             array=[hi for _, _, hi in stats])))
+            fig.update_xaxes(type="category")
+        else:
+            for key in members:
+                prefix = [key.rsplit("/", 1)[0]] if "/" in key else []
+                lines: dict[str, dict] = {}
+                for run in finished:
+                    if key in run.summary:
+                        label = ", ".join(prefix + [f"{k}={run.values[k]}" for k in others])
+                        lines.setdefault(label or name, {}).setdefault(
+                            run.values[x_name], []).append(run.summary[key])
+                for label, points in lines.items():
+                    stats = [_spread(v) for v in points.values()]
+                    fig.add_trace(go.Scatter(
+                        x=list(points), y=[m for m, _, _ in stats], name=label,
+                        mode="lines+markers", error_y=dict(
+                            type="data", symmetric=False, arrayminus=[lo for _, lo, _ in stats],
+                            array=[hi for _, _, hi in stats])))
+            if any(isinstance(v, str) for v in sweep.grid[x_name]):
+                fig.update_xaxes(type="category")
+        fig.update_layout(title=name, xaxis_title=x_name or "run", yaxis_title=name, height=380,
+                          showlegend=len(fig.data) > 1, margin=dict(t=50, b=40))
+        figures.append(fig)
+    seeds = f"mean over seeds {sweep.seeds}, bars from min to max" if len(sweep.seeds) > 1 \
+        else f"seed {sweep.seeds[0]}"
+    body = "".join(pio.to_html(fig, full_html=False, include_plotlyjs=i == 0,
+                               include_mathjax=False) for i, fig in enumerate(figures))
+    if not figures:
+        body = "<p>No run has written a numeric summary yet.</p>"
+    fixed = escape(", ".join(f"{k}={v}" for k, v in sweep.parameters.items()))
+    path.write_text(f"<!DOCTYPE html>\n<html><head><meta charset='utf-8'><title>{sweep.name}"
+                    f"</title></head><body><h1>{sweep.name}</h1><p>{sweep.notebook.name}; "
+                    f"{fixed}; {seeds}</p>{body}</body></html>\n", encoding="utf-8")
+    return path
