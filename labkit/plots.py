@@ -1,0 +1,348 @@
+"""Plotly figures for the notebooks, and a live figure that grows while training runs.
+
+Every curve of a textbook formula is computed by labkit's own function (`losses.policy_loss`,
+`losses.kl`), so a figure shows what the trainer computes, not a re-derivation. Figures are
+plain `go.Figure`s; `LivePlot` wraps a `go.FigureWidget` and is itself a training callback.
+
+`setup()` makes every figure render as HTML with plotly.js embedded once per notebook (no CDN,
+no MathJax script), so an executed notebook converted with nbconvert reads offline.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+from collections.abc import Mapping, Sequence
+
+import plotly.graph_objects as go
+import plotly.io as pio
+import torch
+from plotly.io._base_renderers import NotebookRenderer
+from plotly.subplots import make_subplots
+
+from labkit import losses
+
+PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2",
+           "#7f7f7f", "#bcbd22", "#17becf")
+TEMPLATE = "plotly_white"
+
+
+class OfflineNotebookRenderer(NotebookRenderer):
+    """plotly's "notebook" renderer (plotly.js embedded at the first figure) without the
+    MathJax CDN script it adds to every figure; labels here need no LaTeX."""
+
+    def to_mimebundle(self, fig_dict):
+        page = pio.to_html(fig_dict, config=self.config, include_plotlyjs=False,
+                           include_mathjax=False, full_html=False, default_width="100%",
+                           default_height=_height(fig_dict), validate=False)
+        return {"text/html": page}
+
+
+def _height(fig_dict) -> int:
+    """The figure's own height, else plotly's notebook default."""
+    return (fig_dict.get("layout") or {}).get("height") or 525
+
+
+def setup() -> None:
+    """Render figures as offline HTML (plotly.js embedded, no CDN); call once per notebook."""
+    pio.renderers["notebook"] = OfflineNotebookRenderer()
+    pio.renderers.default = "notebook"
+    pio.templates.default = TEMPLATE
+
+
+def color(i: int) -> str:
+    return PALETTE[i % len(PALETTE)]
+
+
+# ------------------------------------------------------------------ 00: building blocks
+
+def advantage_estimators(rewards, table: Mapping[str, torch.Tensor]) -> go.Figure:
+    """Grouped bars: one trace per estimator, one bar per completion of the group.
+
+    rewards (G,) label the x axis; table maps an estimator's name to its (G,) advantages.
+    """
+    r = [float(v) for v in rewards]
+    labels = [f"o{i + 1} (r={v:g})" for i, v in enumerate(r)]
+    fig = go.Figure()
+    for i, (name, values) in enumerate(table.items()):
+        fig.add_bar(x=labels, y=[float(v) for v in values], name=name, marker_color=color(i))
+    fig.update_layout(barmode="group", title="Advantages of the same group's rewards",
+                      xaxis_title="completion (its reward)", yaxis_title="advantage A_i",
+                      height=420)
+    return fig
+
+
+def surrogate_curve(ratios: Sequence[float], advantage: float, *, eps_low: float,
+                    eps_high: float, dual_clip: float | None = None) -> list[float]:
+    """The per-token objective -l(rho) = min(rho A, clip(rho, 1-eps_low, 1+eps_high) A)
+    (capped at c A for A < 0 by the dual clip), computed by `losses.policy_loss` at each ratio."""
+    out = []
+    for rho in ratios:
+        logp = torch.tensor([[math.log(rho)]], dtype=torch.float64)
+        loss, _ = losses.policy_loss(logp, torch.zeros_like(logp),
+                                     torch.tensor([advantage], dtype=torch.float64),
+                                     torch.ones_like(logp), eps_low=eps_low, eps_high=eps_high,
+                                     dual_clip=dual_clip)
+        out.append(-loss.item())
+    return out
+
+
+def clipped_surrogate(*, eps_low: float = 0.2, eps_high: float = 0.28, dual_clip: float = 3.0,
+                      ratio_max: float = 4.0, points: int = 201) -> go.Figure:
+    """The clipped objective against the ratio, for A = +1 (left) and A = -1 (right).
+
+    Curves: no clip (rho A); PPO's symmetric clip [1-eps_low, 1+eps_low]; DAPO's clip-higher
+    [1-eps_low, 1+eps_high]; for A < 0 also the dual clip at c (with clip-higher).
+    """
+    ratios = [ratio_max * (k + 1) / points for k in range(points)]
+    fig = make_subplots(rows=1, cols=2, shared_yaxes=False,
+                        subplot_titles=("A = +1 (a good completion)", "A = -1 (a bad one)"))
+    for col, a in ((1, 1.0), (2, -1.0)):
+        curves = {"no clip: rho*A": [r * a for r in ratios],
+                  f"PPO clip [{1 - eps_low:g}, {1 + eps_low:g}]":
+                      surrogate_curve(ratios, a, eps_low=eps_low, eps_high=eps_low),
+                  f"clip-higher [{1 - eps_low:g}, {1 + eps_high:g}]":
+                      surrogate_curve(ratios, a, eps_low=eps_low, eps_high=eps_high)}
+        if a < 0:
+            curves[f"dual clip c={dual_clip:g}"] = surrogate_curve(
+                ratios, a, eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip)
+        for i, (name, ys) in enumerate(curves.items()):
+            fig.add_scatter(x=ratios, y=ys, name=name, meta=f"A={a:+g}", row=1, col=col,
+                            mode="lines",
+                            line=dict(color=color(i), dash="dot" if i == 0 else "solid"),
+                            legendgroup=name, showlegend=col == 1 or i == 3)
+        for bound in (1 - eps_low, 1 + eps_high):
+            fig.add_vline(x=bound, line=dict(color="gray", width=1, dash="dash"), row=1, col=col)
+    fig.update_xaxes(title_text="ratio rho = pi / pi_old")
+    fig.update_yaxes(title_text="objective -l(rho)", col=1)
+    fig.update_layout(title="Clipped surrogate: where the gradient is cut", height=420)
+    return fig
+
+
+def kl_estimators(*, x_max: float = 2.0, points: int = 201) -> go.Figure:
+    """k1, k2, k3 per-token KL estimates against x = log(pi_ref / pi), from `losses.kl`."""
+    xs = torch.linspace(-x_max, x_max, points, dtype=torch.float64)
+    logp = torch.zeros(1, points, dtype=torch.float64)
+    fig = go.Figure()
+    for i, kind in enumerate(losses.KL_KINDS):
+        ys = losses.kl(logp, xs[None], kind)[0]
+        fig.add_scatter(x=xs.tolist(), y=ys.tolist(), name=kind, mode="lines",
+                        line=dict(color=color(i)))
+    fig.update_layout(title="KL estimators against the log-ratio", height=420,
+                      xaxis_title="x = log pi_ref - log pi (per sampled token)",
+                      yaxis_title="estimate")
+    return fig
+
+
+# ------------------------------------------------------------------ training curves
+
+def _points(records: Sequence[dict], key: str, x: str) -> tuple[list, list]:
+    xs, ys = [], []
+    for r in records:
+        value = r.get(key)
+        if isinstance(value, (int, float)) and math.isfinite(value) and x in r:
+            xs.append(r[x])
+            ys.append(value)
+    return xs, ys
+
+
+def metric_lines(histories: Mapping[str, Sequence[dict]], keys: Sequence[str], *,
+                 x: str = "step", cols: int = 2, title: str | None = None) -> go.Figure:
+    """One subplot per metric key, one line per run (a run's records lacking the key are
+    skipped, so an eval metric shows its evaluation steps). `x`: "step" or "samples"."""
+    rows = math.ceil(len(keys) / cols)
+    fig = make_subplots(rows=rows, cols=cols, subplot_titles=list(keys),
+                        vertical_spacing=0.12 if rows > 1 else 0.2)
+    for k, key in enumerate(keys):
+        row, col = k // cols + 1, k % cols + 1
+        for i, (name, records) in enumerate(histories.items()):
+            xs, ys = _points(records, key, x)
+            sparse = len(xs) < len(records) or len(xs) <= 20  # eval steps, or few points
+            fig.add_scatter(x=xs, y=ys, name=name, legendgroup=name, showlegend=k == 0,
+                            mode="lines+markers" if sparse else "lines",
+                            line=dict(color=color(i)), row=row, col=col)
+        fig.update_xaxes(title_text=x, row=row, col=col)
+    fig.update_layout(height=300 * rows + 80, title=title)
+    return fig
+
+
+def sweep_lines(rows: Sequence[dict], keys: Sequence[str], *, x: str = "group_size",
+                by: str = "budget", cols: int = 2, title: str | None = None) -> go.Figure:
+    """Summary figures against `x` (log2 axis for G), one subplot per key, a line per `by`."""
+    groups: dict[str, list[dict]] = {}
+    for row in rows:
+        groups.setdefault(str(row.get(by, "")), []).append(row)
+    n_rows = math.ceil(len(keys) / cols)
+    fig = make_subplots(rows=n_rows, cols=cols, subplot_titles=list(keys))
+    for k, key in enumerate(keys):
+        r, c = k // cols + 1, k % cols + 1
+        for i, (name, members) in enumerate(groups.items()):
+            members = sorted((m for m in members if key in m), key=lambda m: m[x])
+            fig.add_scatter(x=[m[x] for m in members], y=[m[key] for m in members],
+                            name=f"{by}: {name}", legendgroup=name, showlegend=k == 0,
+                            mode="lines+markers", line=dict(color=color(i)), row=r, col=c)
+        fig.update_xaxes(title_text=x, type="log", dtick=math.log10(2), row=r, col=c)
+    fig.update_layout(height=300 * n_rows + 80, title=title)
+    return fig
+
+
+def sweep_curves(histories: Mapping[str, Sequence[dict]], key: str, *,
+                 xs: Sequence[str] = ("step", "samples"), title: str | None = None) -> go.Figure:
+    """`key` of a group-size sweep: a row of panels per x ("step", "samples"), a column per
+    budget (the part of a run name before "/"), one line per G, colored by G."""
+    budgets = list(dict.fromkeys(name.split("/")[0] for name in histories))
+    sizes = sorted({r["group_size"] for rs in histories.values() for r in rs[:1]})
+    fig = make_subplots(rows=len(xs), cols=len(budgets), shared_yaxes=True,
+                        subplot_titles=[f"{key} vs {x}, equal {b}" for x in xs for b in budgets])
+    for row, x in enumerate(xs, start=1):
+        for col, budget in enumerate(budgets, start=1):
+            for name, records in histories.items():
+                if name.split("/")[0] != budget or not records:
+                    continue
+                G = records[0]["group_size"]
+                px, py = _points(records, key, x)
+                fig.add_scatter(x=px, y=py, name=f"G={G}", legendgroup=f"G={G}",
+                                showlegend=row == 1 and col == 1, mode="lines+markers",
+                                line=dict(color=color(sizes.index(G))), row=row, col=col)
+            fig.update_xaxes(title_text=x, row=row, col=col)
+    fig.update_layout(height=300 * len(xs) + 80, title=title)
+    return fig
+
+
+class Table:
+    """A list of dicts shown as an HTML table in a notebook, as markdown in text."""
+
+    def __init__(self, rows: Sequence[dict], columns: Sequence[str] | None = None,
+                 digits: int = 3):
+        self.rows = list(rows)
+        self.columns = list(columns) if columns else list(dict.fromkeys(
+            k for row in self.rows for k in row))
+        self.digits = digits
+
+    def cell(self, value) -> str:
+        if isinstance(value, float):
+            return "nan" if not math.isfinite(value) else f"{value:.{self.digits}g}"
+        return "" if value is None else str(value)
+
+    def _repr_html_(self) -> str:
+        head = "".join(f"<th>{html.escape(c)}</th>" for c in self.columns)
+        body = "".join("<tr>" + "".join(f"<td>{html.escape(self.cell(row.get(c)))}</td>"
+                                        for c in self.columns) + "</tr>" for row in self.rows)
+        return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+    def to_markdown(self) -> str:
+        lines = ["| " + " | ".join(self.columns) + " |", "|" + "---|" * len(self.columns)]
+        lines += ["| " + " | ".join(self.cell(row.get(c)) for c in self.columns) + " |"
+                  for row in self.rows]
+        return "\n".join(lines)
+
+    _repr_markdown_ = to_markdown
+    __str__ = to_markdown
+
+
+def table(rows: Sequence[dict], columns: Sequence[str] | None = None, digits: int = 3) -> Table:
+    return Table(rows, columns, digits)
+
+
+# ------------------------------------------------------------------ 03: live figure
+
+def group_std(values: torch.Tensor, group_size: int,
+              mask: torch.Tensor | None = None) -> list[float]:
+    """Std (divides by G) of each group's G values -> B floats. values (N,), or (N, T) reduced
+    first to each row's mean over its unmasked tokens (as `metrics.gav` does)."""
+    v = values.detach().float().cpu()
+    if v.dim() == 2:
+        m = mask.detach().cpu().bool()
+        v = torch.where(m, v, 0.0).sum(1) / m.sum(1).clamp(min=1)  # (N,)
+    return v.view(-1, group_size).std(1, correction=0).tolist()  # (B, G) -> (B,)
+
+
+def run_label(config) -> str:
+    """"ppo", or the GRPO estimator's name ("grpo", "dr_grpo", "rloo")."""
+    return "ppo" if config.algo == "ppo" else config.estimator
+
+
+LIVE_PANELS = ("GAV (within-group std of A)", "std of A over the batch",
+               "reward std of each group", "same prompts: within-group std of A")
+
+
+class LivePlot:
+    """A 2x2 `go.FigureWidget` that grows by one point per line per training step.
+
+    Call it with a `trainer.StepReport` (pass it in `callbacks=`). Panels: GAV and advantage
+    std per step (a line per run, shared axes, so GRPO and PPO runs of the same seed, hence
+    the same prompts each step, compare directly); each group's reward std (B markers a
+    step); and, once a GRPO-family and a PPO run have both reported step s, one marker per
+    prompt of step s at (GRPO's within-group advantage std, PPO's), with the diagonal.
+    `static()` returns a plain `go.Figure` copy for headless output.
+    """
+
+    def __init__(self, height: int = 640):
+        fig = make_subplots(rows=2, cols=2, subplot_titles=LIVE_PANELS,
+                            horizontal_spacing=0.1, vertical_spacing=0.14)
+        fig.update_layout(height=height, title="waiting for the first step",
+                          template=TEMPLATE)
+        fig.update_annotations(font_size=13)
+        for k in range(4):
+            fig.update_xaxes(title_text="step" if k < 3 else "GRPO", row=k // 2 + 1,
+                             col=k % 2 + 1)
+        fig.update_yaxes(title_text="PPO", row=2, col=2)
+        self.widget = go.FigureWidget(fig)
+        self.reset()
+
+    def reset(self) -> None:
+        """Remove every trace (before a new pair of runs)."""
+        self.widget.data = ()
+        self._index: dict[tuple[str, str], int] = {}
+        self._runs: list[str] = []  # in order of appearance: a run's color and marker shift
+        self._groups: dict[tuple[str, int], tuple[str, list[float]]] = {}
+        self._diagonal = self._trace("diagonal", "y = x", 4, mode="lines",
+                                     line=dict(color="gray", dash="dash"))
+        self._diagonal_max = 0.0
+
+    def _trace(self, panel: str, name: str, where: int, **style):
+        """The trace of `name` in `panel`, created (in panel `where` = 1..4) on first use."""
+        if (panel, name) not in self._index:
+            first = name not in self._runs
+            if first and panel != "diagonal":
+                self._runs.append(name)
+            i = self._runs.index(name) if name in self._runs else 0
+            style.setdefault("line", dict(color=color(i)))
+            style.setdefault("marker", dict(color=color(i), size=5, opacity=0.5))
+            self.widget.add_scatter(x=[], y=[], name=name, legendgroup=name, showlegend=first,
+                                    row=(where - 1) // 2 + 1, col=(where - 1) % 2 + 1, **style)
+            self._index[(panel, name)] = len(self.widget.data) - 1
+        return self.widget.data[self._index[(panel, name)]]
+
+    def _extend(self, panel: str, name: str, where: int, xs, ys, **style) -> None:
+        trace = self._trace(panel, name, where, **style)
+        trace.x = tuple(trace.x or ()) + tuple(xs)
+        trace.y = tuple(trace.y or ()) + tuple(ys)
+
+    def __call__(self, report) -> None:
+        config, step, m = report.config, report.step, report.metrics
+        name, G = run_label(config), config.group_size
+        mask = getattr(report.batch, "completion_mask", None)
+        spread = group_std(report.rewards, G)
+        kind = "ppo" if config.algo == "ppo" else "grpo"
+        self._groups[(kind, step)] = (name, group_std(report.advantages, G, mask))
+        with self.widget.batch_update():
+            self._extend("gav", name, 1, [step], [m["adv/gav"]], mode="lines")
+            self._extend("adv_std", name, 2, [step], [m["adv/std"]], mode="lines")
+            # the runs' markers side by side at each step, so equal spreads stay visible
+            shift = 0.12 if self._runs.index(name) % 2 else -0.12
+            self._extend("spread", name, 3, [step + shift] * len(spread), spread,
+                         mode="markers")
+            if ("grpo", step) in self._groups and ("ppo", step) in self._groups:
+                self._pair(step)
+            self.widget.layout.title.text = f"{name}: step {step} of {config.steps}"
+
+    def _pair(self, step: int) -> None:
+        (grpo_name, xs), (_, ys) = self._groups[("grpo", step)], self._groups[("ppo", step)]
+        self._extend("pair", grpo_name, 4, xs, ys, mode="markers")
+        self._diagonal_max = max([self._diagonal_max, *xs, *ys])
+        self._diagonal.x = self._diagonal.y = (0.0, self._diagonal_max)
+
+    def static(self) -> go.Figure:
+        """A plain figure with the current data (stays in a headless notebook's output)."""
+        return go.Figure(self.widget.to_dict())

@@ -1,0 +1,236 @@
+"""Notebook tier: each notebook runs end to end at its small defaults (papermill, marked
+`notebook`), and its summary.json holds the expected keys in their ranges. The notebooks'
+form (one typed `parameters` cell, no committed outputs) and the `labkit.lab` helpers they
+call are checked without running a notebook.
+
+`pytest --nbval-lax notebooks/` is the other half: it runs the notebooks in place.
+"""
+
+import ast
+import json
+import math
+import time
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from labkit import lab
+
+REPO = Path(__file__).resolve().parents[1]
+NOTEBOOKS = REPO / "notebooks"
+STEMS = ["00_building_blocks", "01_grpo_vs_ppo", "02_group_size_sweep",
+         "03_advantage_variance_live"]
+REQUIRED = {
+    "00_building_blocks": {"run_dir", "seed"},
+    "01_grpo_vs_ppo": {"run_dir", "seed", "steps", "batch_prompts", "group_size",
+                       "max_new_tokens", "lr", "eval_every", "eval_n", "algos"},
+    "02_group_size_sweep": {"run_dir", "seed", "steps", "group_sizes", "budget",
+                            "samples_per_step", "eval_every", "eval_n"},
+    "03_advantage_variance_live": {"run_dir", "seed", "estimator", "group_size", "steps"},
+}
+TYPES = {"int": int, "float": float, "str": str, "bool": bool}
+
+def parameters(stem: str) -> dict:
+    """name -> (type name, value) of the notebook's `parameters` cell, checking its form."""
+    book = nbformat.read(NOTEBOOKS / f"{stem}.ipynb", as_version=4)
+    cells = [c for c in book.cells if "parameters" in c.metadata.get("tags", [])]
+    assert len(cells) == 1, f"{stem}: exactly one cell tagged parameters"
+    out = {}
+    for line in cells[0].source.splitlines():
+        code, _, comment = line.partition("  # ")
+        assert comment.strip(), f"{stem}: every parameter has a comment: {line!r}"
+        node = ast.parse(code).body[0]
+        assert isinstance(node, ast.AnnAssign), f"{stem}: 'name: type = literal': {line!r}"
+        kind, value = node.annotation.id, ast.literal_eval(node.value)
+        assert type(value) is TYPES[kind], f"{stem}: {line!r} is not a {kind} literal"
+        out[node.target.id] = (kind, value)
+    return out
+
+
+@pytest.mark.parametrize("stem", STEMS)
+def test_notebook_form(stem):
+    params = parameters(stem)
+    assert REQUIRED[stem] <= set(params)
+    papermill = pytest.importorskip("papermill")
+    seen = papermill.inspect_notebook(str(NOTEBOOKS / f"{stem}.ipynb"))
+    assert set(seen) == set(params), "papermill parses every parameter (no '=' in comments)"
+    assert all(seen[k]["inferred_type_name"] == kind for k, (kind, _) in params.items())
+    assert params["run_dir"] == ("str", "") and params["seed"] == ("int", 0)
+    book = nbformat.read(NOTEBOOKS / f"{stem}.ipynb", as_version=4)
+    nbformat.validate(book)
+    assert book.metadata.kernelspec.name == "python3"
+    for cell in book.cells:
+        if cell.cell_type == "code":
+            assert cell.outputs == [] and cell.execution_count is None, "commit without outputs"
+    assert "resolve_run_dir" in "".join(c.source for c in book.cells)
+
+
+def _records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _check_run(summary: dict, run: str, steps: int):
+    for key in ("accuracy_before", "accuracy_after", "final_reward", "frac_zero_std"):
+        assert 0 <= summary[f"{run}/{key}"] <= 1, (run, key)
+    assert summary[f"{run}/gav"] >= 0 and summary[f"{run}/adv_var"] >= 0
+    assert summary[f"{run}/step_s"] > 0 and summary[f"{run}/state_mb"] > 0
+    assert summary[f"{run}/steps"] == steps
+
+
+def check_00(summary, records, params):
+    G = params["group_size"][1]
+    assert summary["prompt"] == params["expression"][1] + "=" and summary["group_size"] == G
+    assert 0 <= summary["reward_mean"] <= 1 and 0 <= summary["correct"] <= G
+    for name in ("grpo (std / G-1)", "grpo (std / G)", "dr_grpo", "rloo"):
+        assert summary[f"adv_std/{name}"] >= 0
+    quantities = {r["quantity"] for r in records}
+    assert {"reward", "advantage/rloo", "kl/k3", "surrogate/A=-1/dual clip c=3"} <= quantities
+
+
+def check_01(summary, records, params):
+    algos = params["algos"][1].split(",")
+    assert summary["algos"] == params["algos"][1]
+    for algo in algos:
+        _check_run(summary, algo, params["steps"][1])
+        assert summary[f"{algo}/kl"] >= -1e-6 and summary[f"{algo}/entropy"] > 0
+        assert 0 <= summary[f"{algo}/clip_low"] <= 1 and 0 <= summary[f"{algo}/clip_high"] <= 1
+    assert summary["ppo/state_mb"] > summary["grpo/state_mb"]  # the critic
+    assert isinstance(summary["description"], str) and summary["description"]
+    assert {r["run"] for r in records} == set(algos)
+    assert {r["step"] for r in records if r["run"] == "ppo"} == set(range(params["steps"][1] + 1))
+
+
+def check_02(summary, records, params):
+    sizes = [int(g) for g in params["group_sizes"][1].split(",")]
+    assert summary["group_sizes"] == params["group_sizes"][1]
+    budgets = ["samples", "prompts"] if params["budget"][1] == "both" else [params["budget"][1]]
+    S = params["samples_per_step"][1]
+    for b in budgets:
+        for G in sizes:
+            run = f"{b}/G={G}"
+            _check_run(summary, run, params["steps"][1])
+            assert summary[f"{run}/group_size"] == G
+            B = summary[f"{run}/batch_prompts"]
+            assert B * G == S if b == "samples" else B == S // max(sizes)
+    assert {r["run"] for r in records} == {f"{b}/G={G}" for b in budgets for G in sizes}
+
+
+def check_03(summary, records, params):
+    estimator = params["estimator"][1]
+    for run in (estimator, "ppo"):
+        _check_run(summary, run, params["steps"][1])
+    assert summary["estimator"] == estimator and summary["group_size"] == params["group_size"][1]
+    assert {r["run"] for r in records} == {estimator, "ppo"}
+
+
+@pytest.mark.notebook
+@pytest.mark.parametrize("stem", STEMS)
+def test_notebook_runs_and_writes_its_summary(stem, tmp_path):
+    papermill = pytest.importorskip("papermill")
+    before = sorted(NOTEBOOKS.iterdir())
+    run_dir = tmp_path / "run"
+    start = time.perf_counter()
+    papermill.execute_notebook(str(NOTEBOOKS / f"{stem}.ipynb"), str(tmp_path / "out.ipynb"),
+                               parameters={"run_dir": str(run_dir)}, kernel_name="python3",
+                               cwd=str(tmp_path), progress_bar=False)
+    elapsed = time.perf_counter() - start
+    summary = json.loads((run_dir / "summary.json").read_text())
+    records = _records(run_dir / "metrics.jsonl")
+    assert records, "metrics.jsonl is empty"
+    assert all(isinstance(v, (int, float, str)) and not (isinstance(v, float) and math.isnan(v))
+               for v in summary.values()), "summary.json is a flat dict of numbers and strings"
+    globals()[f"check_{stem[:2]}"](summary, records, parameters(stem))
+    assert sorted(NOTEBOOKS.iterdir()) == before, "nothing is written into notebooks/"
+    assert elapsed < 120, f"{stem} took {elapsed:.0f} s at its defaults"
+
+
+# ------------------------------------------------------------------ the helpers they call
+
+def test_run_dirs_land_in_the_project_not_in_notebooks(tmp_path, monkeypatch):
+    assert lab.project_root(NOTEBOOKS) == REPO
+    assert lab.project_root(tmp_path) == tmp_path.resolve()
+    given = lab.resolve_run_dir(str(tmp_path / "a" / "b"), "x")
+    assert given == tmp_path / "a" / "b" and given.is_dir()
+    monkeypatch.chdir(tmp_path)
+    made = lab.resolve_run_dir("", "01_grpo_vs_ppo")
+    assert made.parent == tmp_path.resolve() / "experiments" / "runs" / "01_grpo_vs_ppo"
+    (made / "f").write_text("x")
+    assert lab.fresh_dir(made) == made.with_name(made.name + "-2")
+
+
+def test_parse_list_and_problem():
+    assert lab.parse_list("grpo, ppo") == ["grpo", "ppo"]
+    assert lab.parse_list("2,4,8", int) == [2, 4, 8]
+    with pytest.raises(ValueError, match="int"):
+        lab.parse_list("2,x", int)
+    p = lab.problem("37+85")
+    assert (p.prompt, p.answer) == ("37+85=", "122") and p.target == "\\boxed{122}"
+    assert lab.problem("12*3-4=").answer == "32"  # left to right
+    with pytest.raises(ValueError, match="37\\+85"):
+        lab.problem("two plus two")
+
+
+def test_batch_prompts_per_budget():
+    sizes = [2, 4, 8, 16]
+    assert [lab.batch_prompts_for("samples", g, 32, sizes) for g in sizes] == [16, 8, 4, 2]
+    assert [lab.batch_prompts_for("prompts", g, 32, sizes) for g in sizes] == [2, 2, 2, 2]
+    with pytest.raises(ValueError, match="multiple"):
+        lab.batch_prompts_for("samples", 3, 32, [3])
+    with pytest.raises(ValueError, match="budget"):
+        lab.batch_prompts_for("tokens", 2, 32, sizes)
+
+
+def _row(run, before, after, step_s, state_mb):
+    return {"run": run, "accuracy_before": before, "accuracy_after": after, "steps": 100,
+            "batch_prompts": 32, "group_size": 8, "step_s": step_s, "state_mb": state_mb}
+
+
+def test_describe_follows_the_numbers():
+    text = lab.describe([_row("ppo", 0.3, 0.5, 0.2, 15.0), _row("grpo", 0.3, 0.8, 0.1, 8.0)], 400)
+    assert text.startswith("grpo went from held-out accuracy 0.30 to 0.80")
+    assert "gap of 0.30 is beyond two standard errors" in text
+    assert "A ppo step took 2.00x as long as a grpo step" in text
+    assert "ppo training state 1.88x the memory" in text
+    close = lab.describe([_row("grpo", 0.3, 0.52, 0.1, 8.0), _row("ppo", 0.3, 0.5, 0.2, 15.0)], 64)
+    assert "is within two standard errors" in close
+
+
+def test_write_outputs_is_strict_json(tmp_path):
+    summary, metrics = lab.write_outputs(tmp_path, {"a": float("nan"), "b": 1.5},
+                                         {"grpo": [{"run": "grpo", "step": 1}],
+                                          "ppo": [{"run": "ppo", "step": 1}]})
+    assert json.loads(summary.read_text()) == {"a": None, "b": 1.5}
+    assert [r["run"] for r in _records(metrics)] == ["grpo", "ppo"]
+
+
+@pytest.fixture
+def one_thread():
+    """One torch thread, as the notebooks run (many threads crawl on a busy 2-core machine)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_live_controls_rerun_into_fresh_folders(tmp_path, one_thread):
+    from labkit import plots
+
+    live = plots.LivePlot()
+    panel = lab.live_controls(live, run_dir=tmp_path, estimator="rloo", group_size=2, steps=2,
+                              seed=0, batch_prompts=2, eval_n=4, max_new_tokens=12)
+    estimator, G, steps, button = panel.children[0].children
+    assert (estimator.value, G.value, steps.value) == ("rloo", 2, 2)
+    button.click()
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["rloo/steps"] == 2 and summary["ppo/group_size"] == 2
+    gav = [t for t in live.widget.data if t.xaxis == "x" and t.name == "rloo"][0]
+    assert list(gav.x) == [1, 2]
+    estimator.value, steps.value = "dr_grpo", 1
+    button.click()
+    assert (tmp_path / "ppo-2").is_dir() and (tmp_path / "dr_grpo").is_dir()
+    assert json.loads((tmp_path / "summary.json").read_text())["dr_grpo/steps"] == 1
+    assert [t.name for t in live.widget.data if t.xaxis == "x"] == ["dr_grpo", "ppo"]
+    assert panel.children[1].value.startswith(("dr_grpo went", "ppo went"))
