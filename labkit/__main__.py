@@ -2,6 +2,9 @@
 
 train  run GRPO or PPO (`--algo`), every TrainConfig field an option
 eval   evaluate a model (the embedded one by default) on held-out problems of a task
+run    execute a notebook with papermill into a new run directory (`-p NAME VALUE` checked
+       against its parameters cell first)
+sweep  run a notebook over the parameter grid and seeds of experiments/NAME.yaml
 """
 
 from __future__ import annotations
@@ -118,13 +121,115 @@ def run_train(args) -> dict:
     return train(config, resume=args.resume).summary()
 
 
+def _run_parser(sub) -> None:
+    cmd = sub.add_parser("run", help="execute a notebook into a new run directory",
+                         description="Execute NOTEBOOK with papermill into "
+                                     "experiments/runs/<name>/<time>-<pid>: notebook.ipynb, "
+                                     "parameters.json, report.html and what the notebook writes.")
+    cmd.add_argument("notebook", help="a notebook with one cell tagged 'parameters'")
+    cmd.add_argument("-p", "--parameter", nargs=2, action="append", default=[],
+                     metavar=("NAME", "VALUE"), dest="parameters",
+                     help="set a parameter (checked against the parameters cell); repeatable")
+    cmd.add_argument("--name", default=None,
+                     help="folder under the runs root (default: the notebook's name)")
+    cmd.add_argument("--root", default=None, help="runs root (default: experiments/runs)")
+
+
+def _sweep_parser(sub) -> None:
+    cmd = sub.add_parser("sweep", help="run a notebook over a parameter grid and seeds",
+                         description="Run every grid point and seed of an experiment YAML "
+                                     "that is not complete yet, then write sweep.csv and "
+                                     "comparison.html in its folder.")
+    cmd.add_argument("experiment", help="experiments/NAME.yaml (schema at its top)")
+    cmd.add_argument("--smoke", action="store_true", help="the YAML's fast `smoke:` variant")
+    cmd.add_argument("--workers", type=int, default=1, help="notebooks run at once (default: 1)")
+    cmd.add_argument("--root", default=None, help="runs root (default: experiments/runs)")
+    cmd.add_argument("--dry-run", action="store_true",
+                     help="check the YAML against the notebook and list the runs; run nothing")
+
+
+def run_notebook_command(args) -> int:
+    from labkit.runner import REPORT, RunFailed, read_summary, run_notebook
+
+    given = {}
+    for name, value in args.parameters:
+        if name in given:
+            raise ValueError(f"parameter {name} is given twice")
+        given[name] = value
+    try:
+        # a per-cell bar in a terminal; logs and pipes get the result lines only
+        run_dir = run_notebook(args.notebook, given, name=args.name, root=args.root,
+                               progress=sys.stderr.isatty())
+    except RunFailed as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    summary = read_summary(run_dir)
+    print(f"run_dir  {run_dir}")
+    print(f"report   {run_dir / REPORT}")
+    if summary is None:
+        print(f"warning: the notebook wrote no summary.json into {run_dir}", file=sys.stderr)
+    else:
+        print(summary_table(summary))
+        print(json.dumps(summary))
+    return 0
+
+
+def summary_table(summary: dict) -> str:
+    """A summary.json as a table: one row per field, one column per run ('grpo/x' keys)."""
+    runs, fields = {}, {}
+    for key in summary:
+        if "/" in key:
+            run, name = key.rsplit("/", 1)
+            runs.setdefault(run, None)
+            fields.setdefault(name, None)
+    lines = [str(summary["description"])] if "description" in summary else []
+    if runs:
+        def cell(value):
+            return f"{value:.3f}" if isinstance(value, float) else str(value)
+        rows = [["field", *runs]] + [
+            [name, *(cell(summary.get(f"{run}/{name}", "")) for run in runs)] for name in fields]
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    return "\n".join(lines)
+
+
+def run_sweep_command(args) -> int:
+    from labkit.runs import RUNS_ROOT
+    from labkit.sweeps import CSV_NAME, PLOT_NAME, load_sweep, plan, run_sweep
+
+    if args.workers < 1:
+        raise ValueError(f"--workers must be >= 1, got {args.workers}")
+    sweep = load_sweep(args.experiment, smoke=args.smoke)
+    root = RUNS_ROOT if args.root is None else args.root
+    if args.dry_run:
+        for run in plan(sweep, root):
+            print(f"{'done' if run.status == 'done' else 'to run':<7} {run.path}")
+        return 0
+    runs = run_sweep(sweep, root, workers=args.workers)
+    folder = runs[0].path.parent
+    print(folder / PLOT_NAME)
+    print(folder / CSV_NAME)
+    failed = [r.id for r in runs if r.status == "failed"]
+    if failed:
+        print(f"error: {len(failed)} of {len(runs)} runs failed: {'; '.join(failed)}",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m labkit", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     _train_parser(sub)
     _eval_parser(sub)
+    _run_parser(sub)
+    _sweep_parser(sub)
     args = parser.parse_args(argv)
     try:
+        if args.command == "run":
+            return run_notebook_command(args)
+        if args.command == "sweep":
+            return run_sweep_command(args)
         result = run_train(args) if args.command == "train" else run_eval(args)
     except (ValueError, FileNotFoundError, FileExistsError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
