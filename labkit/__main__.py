@@ -56,6 +56,8 @@ def run_eval(args) -> dict:
         raise ValueError(f"--samples must be >= 0, got {args.samples}")
     if args.max_new_tokens is not None and args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
     resolve_device(args.device)
     source = resolve_model_path(args.model)  # fail on a bad path before any heavy work
     problems, budget = _problems(args)
@@ -89,8 +91,9 @@ def parse_value(text: str, kind: type, name: str):
 def _train_parser(sub) -> None:
     from dataclasses import MISSING, fields
 
-    from labkit.config import TrainConfig
+    from labkit.config import TrainConfig, field_docs
 
+    docs = field_docs()
     cmd = sub.add_parser("train", help="run GRPO or PPO; every config field is an option",
                          description="Train with GRPO or PPO. Options not given keep the "
                                      "defaults of labkit.config.TrainConfig.")
@@ -99,7 +102,8 @@ def _train_parser(sub) -> None:
     for f in fields(TrainConfig):
         default = f.default if f.default is not MISSING else None
         cmd.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, default=None,
-                         metavar="VALUE", help=f"(default: {default})")
+                         metavar="VALUE", help=f"{docs.get(f.name, '')} (default: "
+                                               f"{default!r})".replace("%", "%%").lstrip())
 
 
 def run_train(args) -> dict:
@@ -217,8 +221,17 @@ def run_sweep_command(args) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with its errors as the one `error:` line every other user error gets (no
+    usage block); --help still shows the usage."""
+
+    def error(self, message: str):
+        print(f"error: {self.prog}: {message} (see {self.prog} --help)", file=sys.stderr)
+        sys.exit(2)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m labkit", description=__doc__.split("\n")[0])
+    parser = _Parser(prog="python -m labkit", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     _train_parser(sub)
     _eval_parser(sub)
@@ -234,6 +247,13 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, FileExistsError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except RuntimeError as e:  # a run that stopped on a non-finite loss: said, not a traceback
+        from labkit.trainer import RunAborted
+
+        if not isinstance(e, RunAborted):
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     if args.command == "train":
         print(json.dumps(result))
         return 0

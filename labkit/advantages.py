@@ -26,6 +26,11 @@ TokenMode = Literal["uniform", "discounted"]
 TOKEN_MODES = ("uniform", "discounted")
 
 
+class NonFiniteError(ValueError):
+    """NaN or inf where a finite number is needed: in the rewards or values given, or in a
+    result too large for the dtype. A training run stops on it with a checkpoint."""
+
+
 def _float(x) -> Tensor:
     """Detached, at least fp32: float64 stays float64, everything else becomes fp32."""
     x = torch.as_tensor(x).detach()
@@ -44,8 +49,29 @@ def _grouped(rewards, group_size: int, who: str) -> Tensor:
         raise ValueError(f"len(rewards)={r.numel()} is not divisible by group_size={group_size}: "
                          "rewards must hold whole groups of G completions")
     if not torch.isfinite(r).all():
-        raise ValueError("rewards must be finite; got NaN or inf (check the reward function)")
+        raise NonFiniteError("rewards must be finite; got NaN or inf (check the reward function)")
     return r.view(-1, group_size)  # (B, G)
+
+
+def _unit_scale(x: Tensor) -> Tensor:
+    """A power of two S with max|x| / S in [1, 2) (S = 0.5 for all-zero x), as a 0-d tensor.
+
+    Sums, means and squares of x / S cannot overflow, and dividing by a power of two is
+    exact, so results computed on x / S and scaled back equal those computed on x wherever
+    the latter do not overflow."""
+    _, exponent = torch.frexp(x.abs().amax() if x.numel() else x.new_zeros(()))
+    return torch.ldexp(torch.ones((), dtype=x.dtype, device=x.device), exponent - 1)
+
+
+def _scaled_back(c: Tensor, scale: Tensor, rewards: Tensor, who: str) -> Tensor:
+    """c * scale, or NonFiniteError when that overflows the dtype (reward differences beyond
+    ~3e38 in fp32: an unscaled reward this large cannot give a usable advantage)."""
+    out = c * scale
+    if not torch.isfinite(out).all():
+        raise NonFiniteError(f"{who}: reward differences overflow {str(c.dtype)[6:]} (largest "
+                             f"|reward| {float(rewards.abs().max()):.3g}): scale the reward "
+                             "down")
+    return out
 
 
 def _centered(r: Tensor) -> Tensor:
@@ -78,23 +104,27 @@ def grpo(rewards: Tensor, group_size: int, *, scale: Scale = "group", eps: float
     unbiased: True divides the variance by G-1 (torch `std()`, TRL); False by G (seed 004).
 
     Departures from the textbook formula: a group whose rewards are all equal gives exactly 0
-    (never 0/0, whatever eps); the std is computed on rescaled values so rewards of 1e30
-    stay finite.
+    (never 0/0, whatever eps); the math runs on the rewards divided by a power of two
+    (`_unit_scale`, exact), so rewards up to the dtype's largest finite value give finite
+    advantages with a std; without one (scale="none") differences too large for the dtype
+    raise NonFiniteError rather than return inf.
     """
     if scale not in SCALES:
         raise ValueError(f"scale must be one of {SCALES}, got {scale!r}")
     if not eps >= 0:
         raise ValueError(f"eps must be >= 0, got {eps!r}")
     r = _grouped(rewards, group_size, "GRPO")  # (B, G)
-    c = _centered(r)  # (B, G)
+    unit = _unit_scale(r)  # () power of two
+    u = r / unit  # (B, G) |u| < 2
+    c = _centered(u)  # (B, G)
     if scale == "none":
-        return c.reshape(-1)  # (N,)
+        return _scaled_back(c, unit, r, "GRPO").reshape(-1)  # (N,)
     if scale == "group":
         std = _std_of_centered(c, 1, unbiased)  # (B, 1)
     else:
-        flat = _centered(r.reshape(1, -1))  # (1, N)
+        flat = _centered(u.reshape(1, -1))  # (1, N)
         std = _std_of_centered(flat, 1, unbiased)  # (1, 1)
-    denom = std + eps
+    denom = std + eps / unit  # (std_r + eps) / unit
     # denom is 0 only when std is 0 and eps is 0: then c is 0 too, and 0 is the answer
     denom = torch.where(denom > 0, denom, torch.ones_like(denom))
     return (c / denom).reshape(-1)  # (N,)
@@ -113,7 +143,9 @@ def rloo(rewards: Tensor, group_size: int) -> Tensor:
     equal rewards at exactly 0. So RLOO is Dr. GRPO scaled by G/(G-1).
     """
     r = _grouped(rewards, group_size, "RLOO")  # (B, G)
-    return (_centered(r) * (group_size / (group_size - 1))).reshape(-1)  # (N,)
+    unit = _unit_scale(r)
+    c = _centered(r / unit) * (group_size / (group_size - 1))  # (B, G)
+    return _scaled_back(c, unit, r, "RLOO").reshape(-1)  # (N,)
 
 
 def _bool_mask(mask, n: int, device) -> Tensor:
@@ -180,17 +212,18 @@ def whiten(values: Tensor, mask: Tensor, *, eps: float = 1e-8, shift_mean: bool 
     if xs.numel() == 0:
         return torch.zeros_like(x)
     if not torch.isfinite(xs).all():
-        raise ValueError("values must be finite on unmasked entries; got NaN or inf")
-    mean = xs.mean()
-    c = _centered(xs[None])[0]  # (n,)
+        raise NonFiniteError("values must be finite on unmasked entries; got NaN or inf")
+    unit = _unit_scale(xs)  # exact rescaling, so huge values cannot overflow the mean or std
+    u = xs / unit  # (n,)
+    c = _centered(u[None])[0]  # (n,)
     if xs.numel() < 2 and unbiased:
         std = torch.zeros((), dtype=x.dtype, device=x.device)
     else:
         std = _std_of_centered(c, 0, unbiased)[0]
-    denom = std + eps
+    denom = std + eps / unit
     denom = torch.where(denom > 0, denom, torch.ones_like(denom))
     out = torch.zeros_like(x)
-    out[m] = c / denom if shift_mean else c / denom + mean
+    out[m] = c / denom if shift_mean else c / denom + u.mean() * unit
     return out
 
 
@@ -214,6 +247,10 @@ def gae(token_rewards: Tensor, values: Tensor, mask: Tensor, *, gamma: float = 1
     r, v = r.to(dtype), v.to(dtype)
     m = _check_mask(r, mask, "token_rewards")
     _check_mask(v, mask, "values")
+    for name, x in (("token_rewards", r), ("values", v)):
+        if not torch.isfinite(x[m]).all():
+            raise NonFiniteError(f"gae: {name} must be finite on unmasked tokens; got NaN or "
+                                 "inf (a diverged critic gives NaN values)")
     n, t_len = r.shape
     adv = torch.zeros_like(r)
     zero = torch.zeros(n, dtype=r.dtype, device=r.device)
@@ -225,7 +262,11 @@ def gae(token_rewards: Tensor, values: Tensor, mask: Tensor, *, gamma: float = 1
         next_v = torch.where(real, v[:, t], next_v)
         next_a = torch.where(real, a, next_a)
     returns = torch.where(m, adv + v, torch.zeros_like(adv))
+    if not (torch.isfinite(adv).all() and torch.isfinite(returns).all()):
+        raise NonFiniteError(f"gae: advantages overflow {str(r.dtype)[6:]}: scale the rewards "
+                             "and values down")
     return adv, returns
 
 
-__all__ = ["SCALES", "TOKEN_MODES", "grpo", "dr_grpo", "rloo", "to_tokens", "whiten", "gae"]
+__all__ = ["SCALES", "TOKEN_MODES", "NonFiniteError", "grpo", "dr_grpo", "rloo", "to_tokens",
+           "whiten", "gae"]

@@ -8,10 +8,12 @@ the PPO block the critic. Derived values are properties, never fields filled in 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Literal, get_args, get_type_hints
 
+from labkit import stops
 from labkit.advantages import SCALES
 from labkit.losses import AGG_MODES, KL_KINDS, LEVELS
 
@@ -144,7 +146,40 @@ class TrainConfig:
     progress: bool = True
     """Show a progress bar."""
 
+    # --- stopping -------------------------------------------------------------------------
+    stop_rules: str = ""
+    """Stop early, with a checkpoint, when a logged metric misbehaves: rules separated by ';',
+    each 'METRIC OP NUMBER [for COUNT]' with OP one of > >= < <= and METRIC a key of
+    labkit.metrics.METRICS, e.g. 'adv/gav>0.45 for 5; policy/kl>0.5'. COUNT (default 1)
+    consecutive records that log the metric must meet the condition. Blank: no rule."""
+
     def __post_init__(self):
+        """Every field is checked here, so a bad value fails before any model loads, with a
+        message that names the field and the rule it breaks."""
+        self._check_types()
+        self._check_choices()
+        self._check_counts()
+        self._check_numbers()
+        self._check_task()
+        self._check_paths()
+        self._check_combinations()
+        self._check_stop_rules()
+
+    def _check_types(self) -> None:
+        """Fields whose type a typo can change: a bool given "false", a path given 5."""
+        for name in ("score_truncated", "std_unbiased", "dynamic_sampling", "reinforce",
+                     "whiten_advantages", "progress"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        for name in ("model", "gsm8k_path", "run_dir", "device"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise ValueError(f"{name} must be a non-empty string or None, got {value!r}")
+        for name in ("ops", "stop_rules"):
+            if not isinstance(getattr(self, name), str):
+                raise ValueError(f"{name} must be a string, got {getattr(self, name)!r}")
+
+    def _check_choices(self) -> None:
         _choice(self, "algo", ALGOS)
         _choice(self, "task", TASKS)
         _choice(self, "estimator", ESTIMATORS)
@@ -154,16 +189,30 @@ class TrainConfig:
         _choice(self, "kl_kind", KL_KINDS)
         _choice(self, "precision", PRECISIONS)
         _choice(self, "schedule", SCHEDULES)
+
+    def _check_counts(self) -> None:
         for name in ("steps", "batch_prompts", "group_size", "max_new_tokens", "num_iterations",
                      "minibatches", "grad_accum", "eval_every", "eval_n", "digits", "operands"):
             _at_least(self, name, 1)
         for name in ("warmup_steps", "checkpoint_every", "eval_samples", "cgc_prompts", "top_k"):
             _at_least(self, name, 0)
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) \
+                or not -2**32 < self.seed < 2**32:
+            raise ValueError(f"seed must be an integer with |seed| < 2**32 (each step's seed is "
+                             f"seed * 1000003 + step, which a generator must accept), got "
+                             f"{self.seed!r}")
         if self.algo == "grpo" and self.group_size < 2:
             raise ValueError(f"group_size must be >= 2: GRPO needs group_size >= 2 to compare "
                              f"completions, got {self.group_size}")
+
+    def _check_numbers(self) -> None:
         for name in ("lr", "critic_lr", "temperature"):
             _positive(self, name)
+        for name in ("top_p", "eps_low", "eps_high", "gamma", "lam", "min_lr_ratio"):
+            _finite(self, name)
+        for name in ("dual_clip", "value_clip"):
+            if getattr(self, name) is not None:
+                _finite(self, name)
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0 <= self.eps_low < 1:
@@ -181,30 +230,70 @@ class TrainConfig:
         for name in ("gamma", "lam", "min_lr_ratio"):
             if not 0 <= getattr(self, name) <= 1:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
+
+    def _check_task(self) -> None:
+        """The task's own rules (digits 1..9, operands 2..8, ops), checked now rather than
+        when the problems are drawn, after the model has loaded."""
         if not self.ops or any(op not in "+-*" for op in self.ops):
             raise ValueError(f"ops must be a non-empty string of '+', '-', '*', got {self.ops!r}")
         if self.task == "gsm8k":
             if not self.gsm8k_path:
                 raise ValueError("gsm8k_path is required with task='gsm8k': a local jsonl with "
                                  "'question' and 'answer' fields")
-            if not Path(self.gsm8k_path).is_file():
+            if not Path(self.gsm8k_path).expanduser().is_file():
                 raise ValueError(f"gsm8k_path={self.gsm8k_path!r} is not a file")
-        if self.model is not None and str(self.model) != "tiny-arith":
+            return
+        if self.gsm8k_path is not None:
+            raise ValueError(f"gsm8k_path={self.gsm8k_path!r} is only read with task='gsm8k' "
+                             f"(task is {self.task!r}): add task='gsm8k' or drop gsm8k_path")
+        from labkit.tasks import ArithmeticTask
+
+        task = ArithmeticTask(digits=self.digits, operands=self.operands, ops=self.ops)
+        held_out = task.num_problems * task.test_percent / 100
+        if self.eval_n > 0.9 * held_out:
+            raise ValueError(f"eval_n={self.eval_n} distinct held-out problems asked, but the "
+                             f"held-out split of digits={self.digits}, operands={self.operands} "
+                             f"holds about {int(held_out)}: lower eval_n or raise digits")
+
+    def _check_paths(self) -> None:
+        if self.model is not None and self.model != "tiny-arith":
             path = Path(self.model).expanduser()
-            looks_local = path.exists() or str(self.model).startswith((".", "/", "~"))
+            looks_local = path.exists() or self.model.startswith((".", "/", "~")) \
+                or self.model.count("/") > 1 or "\\" in self.model
             if looks_local and not (path / "config.json").is_file():
                 raise ValueError(f"model={self.model!r}: no saved model there (no config.json)")
+        if self.run_dir is not None:
+            path = Path(self.run_dir).expanduser()
+            if path.exists() and not path.is_dir():
+                raise ValueError(f"run_dir={self.run_dir!r} is a file, not a folder")
+            parent = next((p for p in path.parents if p.exists()), None)
+            if not path.exists() and parent is not None and not parent.is_dir():
+                raise ValueError(f"run_dir={self.run_dir!r} cannot be made: {str(parent)!r} "
+                                 "is a file")
+        if self.device is not None:
+            _check_device(self.device)
+
+    def _check_combinations(self) -> None:
         if self.reinforce and (self.num_iterations != 1 or self.minibatches != 1):
             raise ValueError("reinforce=True is one on-policy update per batch: it needs "
                              "num_iterations=1 and minibatches=1")
         if self.reinforce and self.algo != "grpo":
             raise ValueError("reinforce applies to algo='grpo' (group baselines), not ppo")
+        if self.dynamic_sampling and self.algo != "grpo":
+            raise ValueError("dynamic_sampling applies to algo='grpo' (it drops groups of equal "
+                             "rewards), not ppo")
         if self.rows % self.minibatches:
             raise ValueError(f"minibatches={self.minibatches} must divide the batch_prompts * "
                              f"group_size = {self.rows} rows of a step")
         if (self.rows // self.minibatches) % self.grad_accum:
             raise ValueError(f"grad_accum={self.grad_accum} must divide the "
                              f"{self.rows // self.minibatches} rows of a minibatch")
+
+    def _check_stop_rules(self) -> None:
+        for rule in stops.parse(self.stop_rules):
+            why = stops.never_logged(rule, self)
+            if why:
+                raise ValueError(f"stop_rules: '{rule}' could never fire: {why}")
 
     @property
     def rows(self) -> int:
@@ -226,6 +315,27 @@ class TrainConfig:
         if unknown:
             raise ValueError(f"unknown config field(s) {unknown}; valid fields: {sorted(known)}")
         return cls(**values)
+
+
+def _check_device(device: str) -> None:
+    """The device's spelling, and that this machine has it: a run asked for cuda:1 should not
+    find out after its run directory exists that there is no second GPU."""
+    import torch
+
+    match = re.fullmatch(r"(cpu|cuda|mps)(?::(\d+))?", device)
+    if match is None:
+        raise ValueError(f"device must be 'cpu', 'cuda', 'cuda:N' or 'mps' (or None), got "
+                         f"{device!r}")
+    kind, index = match[1], match[2]
+    if kind == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ValueError(f"device={device!r} asks for CUDA, but torch sees no CUDA device")
+        if index is not None and int(index) >= count:
+            raise ValueError(f"device={device!r}: torch sees {count} CUDA device(s), "
+                             f"cuda:0 to cuda:{count - 1}")
+    if kind == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"device={device!r} asks for Apple MPS, which this machine lacks")
 
 
 def _choice(config, name: str, valid: tuple) -> None:
@@ -250,6 +360,25 @@ def _positive(config, name: str) -> None:
     _finite(config, name)
     if not getattr(config, name) > 0:
         raise ValueError(f"{name} must be > 0, got {getattr(config, name)}")
+
+
+def field_docs() -> dict[str, str]:
+    """Each field's docstring (the string under it in the class body), one line each, for the
+    command line's --help; {} where the source cannot be read."""
+    import ast
+    import inspect
+
+    try:
+        tree = ast.parse(inspect.getsource(TrainConfig))
+    except (OSError, TypeError):
+        return {}
+    body, docs = tree.body[0].body, {}
+    for node, after in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
+                and isinstance(after.value.value, str)):
+            docs[node.target.id] = " ".join(after.value.value.split())
+    return docs
 
 
 def field_types() -> dict[str, type]:

@@ -357,17 +357,19 @@ def _finite(value):
 
 def write_outputs(run_dir: str | Path, summary: Mapping,
                   records: Mapping[str, Sequence[dict]] | Sequence[dict]) -> tuple[Path, Path]:
-    """Write `summary.json` and `metrics.jsonl` (runs' records one after the other) into
-    `run_dir`; returns their paths. A re-run in the same notebook overwrites both."""
+    """Write `metrics.jsonl` (runs' records one after the other), then `summary.json`, into
+    `run_dir`; returns their paths. A re-run in the same notebook overwrites both.
+
+    summary.json is what marks a sweep's run complete, so it comes last and atomically: a
+    notebook killed while writing leaves no summary, and the sweep runs it again."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     lines = [r for rs in records.values() for r in rs] if isinstance(records, Mapping) \
         else list(records)
     summary_path, metrics_path = run_dir / "summary.json", run_dir / "metrics.jsonl"
-    summary_path.write_text(json.dumps({k: _finite(v) for k, v in summary.items()}, indent=2)
-                            + "\n", encoding="utf-8")
     metrics_path.write_text("".join(json.dumps({k: _finite(v) for k, v in r.items()}) + "\n"
                                     for r in lines), encoding="utf-8")
+    runs.write_json(summary_path, {k: _finite(v) for k, v in summary.items()})
     return summary_path, metrics_path
 
 

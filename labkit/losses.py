@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from labkit.advantages import _bool_mask, _check_mask, _float
+from labkit.advantages import NonFiniteError, _bool_mask, _check_mask, _float
 
 Agg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 AGG_MODES = (
@@ -61,7 +61,7 @@ def aggregate(per_token: Tensor, mask: Tensor, agg: Agg = "token-mean", *,
         return (row / m.sum(1).clamp(min=1)).sum() / max(n_rows, 1)
     if agg == "seq-mean-token-sum":
         return row.sum() / max(n_rows, 1)
-    max_len = t_len if max_len is None else max_len
+    max_len = max(t_len, 1) if max_len is None else max_len  # T = 0: no token, loss 0
     if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1:
         raise ValueError(f"max_len must be a positive int, got {max_len!r}")
     return row.sum() / max(n_rows * max_len, 1)
@@ -249,7 +249,7 @@ def ppo_token_rewards(rewards: Tensor, mask: Tensor, *, logp: Tensor | None = No
     if r.dim() != 1:
         raise ValueError(f"rewards must be 1-D (N,), got shape {tuple(r.shape)}")
     if not torch.isfinite(r).all():
-        raise ValueError("rewards must be finite; got NaN or inf (check the reward function)")
+        raise NonFiniteError("rewards must be finite; got NaN or inf (check the reward function)")
     if not beta >= 0:
         raise ValueError(f"beta must be >= 0, got {beta!r}")
     m = _bool_mask(mask, r.shape[0], r.device)  # (N, T)

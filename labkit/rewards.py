@@ -276,6 +276,30 @@ def shaped(reward_fn: RewardFn, lam: float = 0.3) -> RewardFn:
     return shaped_reward
 
 
+class RewardError(ValueError):
+    """A reward function returned something that is not a finite number per completion."""
+
+
+def check_rewards(values, source: str) -> list[float]:
+    """`values` (a list or 1-D tensor) as finite floats, or RewardError naming `source`, the
+    reward function, and the first bad index: one NaN reward would turn every advantage of
+    its group, then the loss, then the weights into NaN."""
+    items = values.tolist() if hasattr(values, "tolist") else values
+    if isinstance(items, (str, bytes)) or not hasattr(items, "__iter__"):
+        raise RewardError(f"reward function {source} must return one number per completion, "
+                          f"got {type(values).__name__}")
+    out = []
+    for i, value in enumerate(items):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise RewardError(f"reward function {source} returned a non-number at index {i}: "
+                              f"{value!r}")
+        if not math.isfinite(value):
+            raise RewardError(f"reward function {source} returned a non-finite reward at index "
+                              f"{i}: {value!r}; rewards must be finite numbers")
+        out.append(float(value))
+    return out
+
+
 def combine(*weighted: tuple[RewardFn, float]) -> RewardFn:
     """Weighted sum of reward functions: r_i = sum_k w_k * fn_k(completions, ...)_i.
 
@@ -300,12 +324,14 @@ def combine(*weighted: tuple[RewardFn, float]) -> RewardFn:
     def combined(completions: Sequence, **kwargs) -> list[float]:
         total = [0.0] * len(completions)
         for fn, weight in parts:
-            scores = fn(completions, **kwargs)
+            name = getattr(fn, "__name__", type(fn).__name__)
+            scores = check_rewards(fn(completions, **kwargs), name)
             if len(scores) != len(completions):
-                raise ValueError(f"{fn.__name__} returned {len(scores)} rewards for "
-                                 f"{len(completions)} completions")
-            total = [t + weight * float(s) for t, s in zip(total, scores)]
-        return total
+                raise RewardError(f"{name} returned {len(scores)} rewards for "
+                                  f"{len(completions)} completions")
+            total = [t + weight * s for t, s in zip(total, scores)]
+        # finite parts can still overflow to inf when summed with large weights
+        return check_rewards(total, combined.__name__)
 
     terms = [f"{w:g}*{getattr(fn, '__name__', type(fn).__name__)}" for fn, w in parts]
     combined.__name__ = "+".join(terms).replace("+-", "-")

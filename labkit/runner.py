@@ -183,11 +183,35 @@ def unknown_names(notebook: str | Path, names, params: dict[str, Param]) -> None
 
 
 def check_parameters(path: str | Path, given: dict[str, str]) -> dict:
-    """Command-line strings -> values of the declared types; ValueError names the culprit."""
+    """Command-line strings -> values of the declared types; ValueError names the culprit.
+    Values of parameters that are training-config fields must also obey the field's rule."""
     params = notebook_parameters(path)
     unknown_names(path, given, params)
-    return {key: parse_value(key, text, params[key].type.__name__, Path(path).name)
-            for key, text in given.items()}
+    values = {key: parse_value(key, text, params[key].type.__name__, Path(path).name)
+              for key, text in given.items()}
+    check_config_rules(path, params, values)
+    return values
+
+
+def check_config_rules(notebook: str | Path, params: dict[str, Param], values: dict) -> None:
+    """A notebook parameter named and typed like a `TrainConfig` field (group_size: int,
+    lr: float, estimator: str) reaches a TrainConfig in the notebook, so it obeys that field's
+    rules, checked here with the notebook's other such values (its defaults overlaid with
+    `values`) before any kernel starts or model loads. ValueError names the parameter."""
+    from labkit.config import TrainConfig, field_types
+
+    types = field_types()
+    merged = {key: param.default for key, param in params.items()} | values
+    shared = {key: value for key, value in merged.items()
+              if key != RUNNER_OWNED and key in types and key in params
+              and types[key] is params[key].type}
+    if not shared or not set(values) & set(shared):
+        return
+    try:
+        TrainConfig(**shared)
+    except ValueError as e:
+        given = ", ".join(f"{k}={values[k]!r}" for k in values if k in shared)
+        raise ValueError(f"{Path(notebook).name} with {given}: {e}") from None
 
 
 # --- execution -------------------------------------------------------------------------------
@@ -290,8 +314,10 @@ def run_notebook(notebook: str | Path, given: dict[str, str], name: str | None =
         raise ValueError("give --name or -p run_dir, not both")
     if name is not None and not re.fullmatch(r"[A-Za-z0-9._-]+", name):
         raise ValueError(f"--name {name!r} must be a folder name (letters, digits, '.', '_', '-')")
-    run_dir = claim_run_dir(chosen) if chosen else \
-        new_run_dir(name or notebook.stem, RUNS_ROOT if root is None else root)
+    if chosen:  # held while the notebook runs: no second run can take the same folder
+        with claim_run_dir(chosen) as lock:
+            return execute(notebook, lock.run_dir, values, progress=progress)
+    run_dir = new_run_dir(name or notebook.stem, RUNS_ROOT if root is None else root)
     return execute(notebook, run_dir, values, progress=progress)
 
 

@@ -33,9 +33,9 @@ from dataclasses import dataclass, field
 from html import escape
 from pathlib import Path
 
-from labkit.runner import (PARAMETERS_FILE, RUNNER_OWNED, RunFailed, check_value, execute,
-                           finite_or_none, is_number, notebook_parameters, read_summary,
-                           unknown_names)
+from labkit.runner import (PARAMETERS_FILE, RUNNER_OWNED, RunFailed, check_config_rules,
+                           check_value, execute, finite_or_none, is_number,
+                           notebook_parameters, read_summary, unknown_names)
 
 KEYS = ("notebook", "name", "parameters", "grid", "seeds", "smoke")
 SMOKE_KEYS = ("parameters", "grid", "seeds")
@@ -150,6 +150,10 @@ def _checked(sweep: Sweep, where: str) -> Sweep:
     if not isinstance(seeds, list) or not seeds or len(set(map(repr, seeds))) != len(seeds):
         raise ValueError(f"{where}: seeds must be a non-empty list of distinct ints, got {seeds!r}")
     seeds = [check_value("seed", s, kind["seed"], book) for s in seeds]
+    for point in itertools.product(*grid.values()):
+        for seed in seeds:
+            check_config_rules(sweep.notebook, params,
+                               {**fixed, **dict(zip(grid, point)), "seed": seed})
     return Sweep(sweep.notebook, sweep.name, fixed, grid, seeds)
 
 
@@ -214,11 +218,23 @@ def _execute_one(notebook: Path, run_dir: Path, values: dict) -> str:
 def run_sweep(sweep: Sweep, root: str | Path, workers: int = 1,
               progress: bool = True) -> list[Run]:
     """Run what is not done yet (`workers` notebooks at once), then write sweep.csv and
-    comparison.html into the sweep folder. Returns every run with its status."""
-    from tqdm.auto import tqdm
+    comparison.html into the sweep folder. Returns every run with its status.
+
+    The sweep folder's lock is held throughout: a second invocation of the same sweep, while
+    this one runs, is refused rather than setting aside or rerunning the runs in progress."""
+    from labkit.runs import RunLock
 
     if workers < 1:
         raise ValueError(f"--workers must be >= 1, got {workers}")
+    folder = Path(root) / sweep.name
+    folder.mkdir(parents=True, exist_ok=True)
+    with RunLock(folder):
+        return _run_sweep(sweep, root, workers, progress)
+
+
+def _run_sweep(sweep: Sweep, root: str | Path, workers: int, progress: bool) -> list[Run]:
+    from tqdm.auto import tqdm
+
     runs = plan(sweep, root)
     todo = [r for r in runs if r.status == "todo"]
     for run in todo:

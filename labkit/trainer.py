@@ -7,9 +7,11 @@ resumed run therefore logs the same metrics as an uninterrupted one (on the CPU)
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import resource
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -19,16 +21,24 @@ import torch
 from tqdm.auto import tqdm
 
 from labkit import metrics as M
-from labkit import runs
+from labkit import runs, stops
+from labkit.advantages import NonFiniteError
 from labkit.algos import Learner, StepOutput, grpo_step, ppo_step
 from labkit.config import TrainConfig
 from labkit.evaluation import complete, evaluate
-from labkit.rewards import correctness
+from labkit.rewards import RewardError, check_rewards, correctness
 from labkit.rollout import RolloutBatch, rollout
 from labkit.tasks import ArithmeticTask, Problem, _bucket, load_gsm8k
 
 EVAL_SEED = 1234
 """Seed of the held-out problems: the same eval set for every run seed, so runs compare."""
+STOPPED = "stopped.json"
+"""Written into the run directory when a stop rule ends the run: the rule, step and value."""
+
+
+class RunAborted(RuntimeError):
+    """A run that cannot go on (a non-finite loss or reward); the message names the step, the
+    cause and the checkpoint to resume from."""
 
 
 @dataclass
@@ -52,15 +62,18 @@ class RunResult:
     run_dir: Path
     config: TrainConfig
     steps: int
+    """The last step run: config.steps, or the step at which a stop rule ended the run."""
     accuracy_before: float
     accuracy_after: float
     wall_s: float
     history: list[dict] = field(default_factory=list)
+    stopped: str | None = None
+    """Why a stop rule ended the run before `config.steps` (None: it ran every step)."""
 
     def summary(self) -> dict:
         return {"algo": self.config.algo, "steps": self.steps, "accuracy_before": self.accuracy_before,
                 "accuracy_after": self.accuracy_after, "wall_s": round(self.wall_s, 2),
-                "run_dir": str(self.run_dir)}
+                "run_dir": str(self.run_dir), "stopped": self.stopped}
 
 
 class ProblemSource:
@@ -196,32 +209,59 @@ def _memory_mb(device: torch.device) -> float:
 
 def train(config: TrainConfig | None = None, *, resume: str | Path | None = None,
           callbacks: Sequence[Callable[[StepReport], None]] = ()) -> RunResult:
-    """Run (or resume) a training run and return where it wrote and how it went."""
+    """Run (or resume) a training run and return where it wrote and how it went.
+
+    The run holds its directory's lock (`runs.RunLock`) until it returns, so a second run or
+    a resume of this one cannot write there meanwhile. A stop rule (`config.stop_rules`)
+    ends it early with a checkpoint, `stopped.json` and `RunResult.stopped`; a non-finite
+    loss, reward or advantage raises RunAborted after checkpointing the last whole step.
+    """
     start_time = time.perf_counter()
     if resume is not None:
         run_dir = Path(resume)
         config = TrainConfig.from_dict(runs.read_config(run_dir))
+        lock = runs.RunLock(run_dir)
     else:
         config = config or TrainConfig()
-        run_dir = runs.claim_run_dir(config.run_dir) if config.run_dir else \
-            runs.new_run_dir(config.algo)
-        runs.write_config(run_dir, config.to_dict())
+        if config.run_dir:
+            lock = runs.claim_run_dir(config.run_dir)
+            run_dir = lock.run_dir
+        else:
+            run_dir = runs.new_run_dir(config.algo)
+            lock = runs.RunLock(run_dir)
+    try:
+        if resume is None:
+            runs.write_config(run_dir, config.to_dict())
+        elif (run_dir / STOPPED).is_file():
+            raise ValueError(f"{run_dir} was ended by a stop rule ({_stop_message(run_dir)}): "
+                             "it is finished; start a new run to train further")
+        return _train(config, run_dir, resume is not None, callbacks, start_time)
+    finally:
+        lock.release()
+
+
+def _stop_message(run_dir: Path) -> str:
+    try:
+        return json.loads((run_dir / STOPPED).read_text(encoding="utf-8"))["message"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return "see stopped.json"
+
+
+def _train(config: TrainConfig, run_dir: Path, resuming: bool,
+           callbacks: Sequence[Callable[[StepReport], None]], start_time: float) -> RunResult:
     random.seed(config.seed)
     torch.manual_seed(config.seed)
     accelerator = _accelerator(config)
     learner, tokenizer = build_learner(config, accelerator)
     source = ProblemSource(config)
     step_fn = grpo_step if config.algo == "grpo" else ppo_step
-    metrics_path, first = run_dir / "metrics.jsonl", 1
-    checkpoint = runs.latest_checkpoint(run_dir) if resume is not None else None
-    if checkpoint is not None:
-        state = runs.load_checkpoint(checkpoint)
-        _restore(learner, state)
-        first = state["step"] + 1
-        runs.truncate_metrics(metrics_path, state["step"])
-    elif resume is not None:
-        runs.truncate_metrics(metrics_path, -1)  # killed before its first checkpoint: restart
+    metrics_path = run_dir / "metrics.jsonl"
+    first = _resume_point(learner, run_dir, metrics_path) if resuming else 1
     history = runs.read_metrics(metrics_path)
+    tracker = stops.StopRules(stops.parse(config.stop_rules))
+    stopped = None
+    for record in history:  # a resumed run follows the same streaks as an uninterrupted one
+        stopped = tracker.update(record)
     writer = runs.MetricsWriter(metrics_path)
     policy = accelerator.unwrap_model(learner.policy)
     device = accelerator.device
@@ -229,39 +269,95 @@ def train(config: TrainConfig | None = None, *, resume: str | Path | None = None
         record = {"step": 0, **run_eval(config, policy, tokenizer, source)}
         writer.write(record)
         history.append(record)
+        stopped = tracker.update(record)
     accuracy = [r["eval/accuracy"] for r in history if "eval/accuracy" in r]
-    bar = tqdm(range(first, config.steps + 1), desc=config.algo, disable=not config.progress,
-               initial=first - 1, total=config.steps)
-    step = first - 1
+    todo = range(first, config.steps + 1) if stopped is None else range(0)
+    bar = tqdm(todo, desc=config.algo, disable=not config.progress, initial=first - 1,
+               total=config.steps)
+    step, updates_before = first - 1, _update_count(learner)
     try:
         for step in bar:
+            updates_before = _update_count(learner)
             record = _one_step(config, learner, tokenizer, source, step_fn, step, device)
             report = record.pop("_report")
-            if step % config.eval_every == 0 or step == config.steps:
-                record |= run_eval(config, policy, tokenizer, source)
-                accuracy.append(record["eval/accuracy"])
             record = {"step": step, **record}
+            evaluated = step % config.eval_every == 0 or step == config.steps
+            if evaluated:
+                record |= run_eval(config, policy, tokenizer, source)
+            stopped = tracker.update(record)
+            if stopped is not None and not evaluated:  # a stopped run ends evaluated too
+                record |= run_eval(config, policy, tokenizer, source)
+            if "eval/accuracy" in record:
+                accuracy.append(record["eval/accuracy"])
             writer.write(record)
             history.append(record)
             for callback in callbacks:
                 callback(StepReport(step, record, report[0], report[1], report[2], config))
             bar.set_postfix(reward=f"{record['rollout/reward_mean']:.2f}",
                             acc=f"{accuracy[-1]:.2f}" if accuracy else "-")
+            if stopped is not None:
+                break
             if config.checkpoint_every and step % config.checkpoint_every == 0:
                 runs.save_checkpoint(run_dir, step, _state(learner))
-    except FloatingPointError as e:
-        runs.save_checkpoint(run_dir, step - 1, _state(learner))
-        raise RuntimeError(f"step {step}: {e}; the run stopped, its last checkpoint is in "
-                           f"{run_dir / runs.CHECKPOINTS}") from e
+    except (FloatingPointError, RewardError, NonFiniteError) as e:
+        raise _abort(run_dir, learner, step, e, clean=_update_count(learner) == updates_before
+                     ) from e
     finally:
         writer.close()
         bar.close()
-    runs.save_checkpoint(run_dir, config.steps, _state(learner))
+    last = stopped.step if stopped is not None else config.steps
+    _finish(run_dir, learner, policy, tokenizer, last, stopped)
+    return RunResult(run_dir, config, last, accuracy[0] if accuracy else float("nan"),
+                     accuracy[-1] if accuracy else float("nan"), time.perf_counter() - start_time,
+                     history, stopped=stopped.message() if stopped is not None else None)
+
+
+def _resume_point(learner: Learner, run_dir: Path, metrics_path: Path) -> int:
+    """Restore the latest checkpoint and cut metrics.jsonl back to it; the first step to run.
+    The records after the checkpoint (and a torn last line) go: those steps run again."""
+    checkpoint = runs.latest_checkpoint(run_dir)
+    if checkpoint is None:  # killed before its first checkpoint: start over
+        runs.truncate_metrics(metrics_path, -1)
+        return 1
+    state = runs.load_checkpoint(checkpoint)
+    _restore(learner, state)
+    runs.truncate_metrics(metrics_path, state["step"])
+    return state["step"] + 1
+
+
+def _finish(run_dir: Path, learner: Learner, policy, tokenizer, last: int,
+            stopped: stops.Stop | None) -> None:
+    """The last checkpoint, then (a stop rule fired) stopped.json and a line on stderr, then
+    the final model. The checkpoint comes before stopped.json: a run killed in between is
+    resumed, replays its records, and stops again at the same step."""
+    runs.save_checkpoint(run_dir, last, _state(learner))
+    if stopped is not None:
+        runs.write_json(run_dir / STOPPED, stopped.to_dict())
+        tqdm.write(f"{run_dir}: {stopped.message()}", file=sys.stderr)
     policy.save_pretrained(run_dir / "final")
     tokenizer.save_pretrained(run_dir / "final")
-    return RunResult(run_dir, config, config.steps, accuracy[0] if accuracy else float("nan"),
-                     accuracy[-1] if accuracy else float("nan"),
-                     time.perf_counter() - start_time, history)
+
+
+def _update_count(learner: Learner) -> int:
+    """Optimizer steps taken so far, from the scheduler, which steps with the optimizer."""
+    return int(learner.scheduler.state_dict()["last_epoch"])
+
+
+def _abort(run_dir: Path, learner: Learner, step: int, error: Exception,
+           clean: bool) -> RunAborted:
+    """Checkpoint what can be resumed and say so. `clean`: no optimizer step of `step` ran,
+    so the weights are those at the end of step - 1, a checkpoint a resume can use; else
+    step's earlier minibatches already moved them and the state is kept apart, as
+    `diverged_<step>.pt`, for inspection only."""
+    if clean:
+        path = runs.save_checkpoint(run_dir, step - 1, _state(learner))
+        where = f"its last checkpoint is {path}"
+    else:
+        kept = runs.save_checkpoint(run_dir, step, _state(learner), name="diverged")
+        latest = runs.latest_checkpoint(run_dir)
+        where = (f"the state mid-step is in {kept}; resume restarts from "
+                 f"{latest if latest is not None else 'the beginning'}")
+    return RunAborted(f"step {step}: {error}; the run stopped, {where}")
 
 
 def _one_step(config, learner, tokenizer, source, step_fn, step: int, device) -> dict:
@@ -277,7 +373,8 @@ def _one_step(config, learner, tokenizer, source, step_fn, step: int, device) ->
                     temperature=config.temperature, top_k=config.top_k, top_p=config.top_p,
                     seed=step_seed)
     answers = [p.answer for p in problems for _ in range(config.group_size)]
-    rewards = torch.tensor(correctness(batch.texts, answer=answers), device=device)
+    rewards = torch.tensor(check_rewards(correctness(batch.texts, answer=answers),
+                                         "correctness"), device=device)
     if not config.score_truncated:
         rewards = rewards.masked_fill(batch.truncated, 0.0)
     t1 = time.perf_counter()

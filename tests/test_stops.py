@@ -1,0 +1,143 @@
+"""Stop rules: the grammar of `TrainConfig.stop_rules`, the streak tracker, and real short
+runs that a rule ends (or, never firing, leaves alone)."""
+
+import json
+import math
+
+import pytest
+
+from labkit.config import TrainConfig
+from labkit.runs import latest_checkpoint, load_checkpoint, read_metrics
+from labkit.stops import StopRule, StopRules, parse
+from labkit.trainer import STOPPED, train
+
+# the trainer's smoke settings, with evaluation cut to the minimum: these runs are about steps
+FAST = dict(batch_prompts=4, group_size=4, max_new_tokens=12, eval_every=1000, eval_n=4,
+            eval_samples=0, cgc_prompts=0, progress=False, lr=5e-4)
+
+
+# --- grammar ---------------------------------------------------------------------------------
+
+def test_rules_parse_into_metric_op_threshold_count():
+    assert parse("adv/gav>0.45 for 5; policy/kl>0.5") == [
+        StopRule("adv/gav", ">", 0.45, 5), StopRule("policy/kl", ">", 0.5, 1)]
+    assert parse("  rollout/reward_mean >= 1e-3  for 12 ;; eval/accuracy<=0.1;loss/total < -2") == [
+        StopRule("rollout/reward_mean", ">=", 1e-3, 12), StopRule("eval/accuracy", "<=", 0.1, 1),
+        StopRule("loss/total", "<", -2.0, 1)]
+    assert parse("") == [] and parse(" ; ") == []
+    assert parse("eval/pass@16<0.2") == [StopRule("eval/pass@16", "<", 0.2, 1)]
+
+
+def test_a_rule_prints_as_it_parses():
+    for text in ("adv/gav>0.45 for 5", "policy/kl>=0.5", "eval/accuracy<0.125 for 2"):
+        (rule,) = parse(text)
+        assert str(rule) == text and parse(str(rule)) == [rule]
+
+
+@pytest.mark.parametrize("text, words", [
+    ("adv/gav 0.45", "METRIC OP NUMBER"),
+    ("adv/gav=0.45", "METRIC OP NUMBER"),
+    ("adv/gav>0.45 for", "METRIC OP NUMBER"),
+    ("adv/gav>0.45 during 5", "METRIC OP NUMBER"),
+    ("gav>0.45", "unknown metric 'gav'"),
+    ("adv/gav>nan", "finite number"),
+    ("adv/gav>inf", "finite number"),
+    ("adv/gav>0.4 for 2.5", "COUNT >= 1"),
+    ("eval/pass@0<0.1", "unknown metric"),
+])
+def test_bad_rules_name_the_field_and_the_rule(text, words):
+    with pytest.raises(ValueError) as e:
+        parse(text)
+    assert str(e.value).startswith("stop_rules") and words in str(e.value), str(e.value)
+
+
+# --- streaks ---------------------------------------------------------------------------------
+
+def test_a_rule_fires_on_its_count_th_consecutive_record():
+    tracker = StopRules(parse("adv/gav>0.4 for 3"))
+    values = [0.5, 0.6, 0.3, 0.5, 0.5]  # the 0.3 breaks the first streak
+    fired = [tracker.update({"step": i + 1, "adv/gav": v}) for i, v in enumerate(values)]
+    assert fired == [None] * 5
+    stop = tracker.update({"step": 6, "adv/gav": 0.41})
+    assert stop is not None and (stop.step, stop.value) == (6, 0.41)
+    assert "adv/gav>0.4 for 3" in stop.message() and "step 6" in stop.message()
+
+
+def test_records_without_the_metric_neither_count_nor_break_a_streak():
+    tracker = StopRules(parse("eval/accuracy<0.2 for 2"))
+    assert tracker.update({"step": 0, "eval/accuracy": 0.1}) is None
+    for step in range(1, 5):  # steps between evaluations
+        assert tracker.update({"step": step, "adv/gav": 1.0}) is None
+    assert tracker.update({"step": 5, "eval/accuracy": 0.15}).step == 5
+
+
+def test_nan_breaks_a_streak_and_never_fires():
+    tracker = StopRules(parse("loss/total<1 for 2; loss/total>1 for 2"))
+    updates = [{"step": 1, "loss/total": 0.5}, {"step": 2, "loss/total": math.nan},
+               {"step": 3, "loss/total": 0.5}]
+    assert [tracker.update(r) for r in updates] == [None, None, None]
+    assert tracker.update({"step": 4, "loss/total": 0.5}).rule == StopRule("loss/total", "<",
+                                                                          1.0, 2)
+
+
+# --- real runs -------------------------------------------------------------------------------
+
+def test_a_rule_that_always_holds_stops_the_run_after_exactly_n_steps(tmp_path, capsys):
+    """Through the command line: GAV is a std, never below 0, so `adv/gav>=0 for 2` holds on
+    every step and must end a 6-step run at step 2; entropy is never negative, so the other
+    rule never fires."""
+    from labkit.__main__ import main
+
+    run_dir = tmp_path / "run"
+    args = ["train", "--run-dir", str(run_dir), "--steps", "6", "--checkpoint-every", "1",
+            "--stop-rules", "policy/entropy<0; adv/gav>=0 for 2"]
+    for key, value in FAST.items():
+        args += [f"--{key.replace('_', '-')}", str(value)]
+    assert main(args) == 0
+    out, err = capsys.readouterr()
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["steps"] == 2
+    assert "adv/gav>=0 for 2" in summary["stopped"] and "step 2" in summary["stopped"]
+    assert summary["stopped"] in err  # said where the user looks, not only in the summary
+    records = read_metrics(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in records] == [0, 1, 2]
+    assert "eval/accuracy" in records[-1]  # a stopped run ends with an evaluation
+    checkpoint = latest_checkpoint(run_dir)
+    assert checkpoint.name == "step_000002.pt" and load_checkpoint(checkpoint)["step"] == 2
+    stopped = json.loads((run_dir / STOPPED).read_text())
+    assert stopped["step"] == 2 and stopped["rule"] == "adv/gav>=0 for 2"
+    assert stopped["value"] == records[-1]["adv/gav"]
+    assert (run_dir / "final" / "config.json").is_file()
+    with pytest.raises(ValueError, match="stop rule.*finished"):
+        train(resume=run_dir)  # refused before any model loads
+
+
+def test_a_rule_that_never_holds_lets_the_run_finish(tmp_path):
+    result = train(TrainConfig(run_dir=str(tmp_path / "run"), steps=3,
+                               stop_rules="rollout/length_mean>1000; policy/entropy<0 for 1",
+                               **FAST))
+    assert result.stopped is None and result.summary()["stopped"] is None
+    assert result.steps == 3 and [r["step"] for r in result.history] == [0, 1, 2, 3]
+    assert not (tmp_path / "run" / STOPPED).exists()
+
+
+class Crash(Exception):
+    pass
+
+
+def test_a_resumed_run_keeps_its_streaks(tmp_path):
+    """Killed at step 2 of a 3-record streak (last checkpoint: step 1), the resumed run
+    replays the records it keeps and stops at step 3, as an uninterrupted run would; starting
+    the streak afresh would stop at step 4."""
+    settings = dict(FAST, steps=6, checkpoint_every=1, stop_rules="adv/gav>=0 for 3")
+
+    def crash_at_step_2(report):
+        if report.step == 2:
+            raise Crash
+
+    with pytest.raises(Crash):
+        train(TrainConfig(run_dir=str(tmp_path / "cut"), **settings), callbacks=[crash_at_step_2])
+    assert latest_checkpoint(tmp_path / "cut").name == "step_000001.pt"
+    resumed = train(resume=tmp_path / "cut")
+    assert resumed.steps == 3 and "step 3" in resumed.stopped
+    assert [r["step"] for r in read_metrics(tmp_path / "cut" / "metrics.jsonl")] == [0, 1, 2, 3]

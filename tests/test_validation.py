@@ -1,0 +1,265 @@
+"""Bad input never gets far: every TrainConfig field is checked when the config is made, and
+the command line (`train`, `eval`, `run`, `sweep`) turns a user error into one `error:`
+line and exit code 2, before any run folder is made or any model loads."""
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from labkit.config import TrainConfig
+from labkit.runs import RunLock
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+TINY = HERE / "fixtures" / "tiny.ipynb"
+NOTEBOOKS = REPO / "notebooks"
+NAN, INF = float("nan"), float("inf")
+
+
+# --- TrainConfig, in process -----------------------------------------------------------------
+
+BAD_CONFIGS = [
+    # (fields, the field the message must name, words of the rule it must state)
+    (dict(group_size=1), "group_size", ">= 2"),
+    (dict(lr=0.0), "lr", "> 0"),
+    (dict(lr=NAN), "lr", "finite"),
+    (dict(critic_lr=INF), "critic_lr", "finite"),
+    (dict(temperature=0.0), "temperature", "> 0"),
+    (dict(max_new_tokens=0), "max_new_tokens", ">= 1"),
+    (dict(steps=2.5), "steps", "integer"),
+    (dict(batch_prompts=True), "batch_prompts", "integer"),
+    (dict(top_k=-1), "top_k", ">= 0"),
+    (dict(top_p=0.0), "top_p", "(0, 1]"),
+    (dict(top_p="0.9"), "top_p", "finite number"),
+    (dict(eps_low=1.0), "eps_low", "< 1"),
+    (dict(eps_low=-0.1), "eps_low", "0 <= eps_low"),
+    (dict(eps_high=INF), "eps_high", "finite"),
+    (dict(eps_high=-0.2), "eps_high", ">= 0"),
+    (dict(dual_clip=1.0), "dual_clip", "> 1"),
+    (dict(dual_clip=NAN), "dual_clip", "finite"),
+    (dict(value_clip=NAN), "value_clip", "finite"),
+    (dict(value_clip=0.0), "value_clip", "> 0"),
+    (dict(beta=-0.01), "beta", ">= 0"),
+    (dict(entropy_coef=INF), "entropy_coef", "finite"),
+    (dict(gamma=1.5), "gamma", "[0, 1]"),
+    (dict(lam=NAN), "lam", "finite"),
+    (dict(min_lr_ratio=-0.1), "min_lr_ratio", "[0, 1]"),
+    (dict(algo="dpo"), "algo", "'grpo', 'ppo'"),
+    (dict(agg="mean"), "agg", "token-mean"),
+    (dict(estimator="ppo"), "estimator", "rloo"),
+    (dict(kl_kind="k4"), "kl_kind", "k3"),
+    (dict(precision="fp16"), "precision", "bf16"),
+    (dict(schedule="linear"), "schedule", "cosine"),
+    (dict(scale="prompt"), "scale", "batch"),
+    (dict(ratio_level="seq"), "ratio_level", "sequence"),
+    (dict(dynamic_sampling="false"), "dynamic_sampling", "True or False"),
+    (dict(progress=1), "progress", "True or False"),
+    (dict(device="gpu"), "device", "'cuda:N'"),
+    (dict(device="cuda:99"), "device", "cuda"),
+    (dict(model="./no/such/model"), "model", "config.json"),
+    (dict(model=5), "model", "string"),
+    (dict(task="gsm8k"), "gsm8k_path", "required"),
+    (dict(task="gsm8k", gsm8k_path="/no/such/gsm8k.jsonl"), "gsm8k_path", "not a file"),
+    (dict(gsm8k_path="/no/such/gsm8k.jsonl"), "gsm8k_path", "task='gsm8k'"),
+    (dict(digits=10), "digits", "between 1 and 9"),
+    (dict(operands=1), "operands", "between 2 and 8"),
+    (dict(ops="/"), "ops", "'+', '-', '*'"),
+    (dict(digits=1), "eval_n", "held-out"),
+    (dict(seed=2**40), "seed", "2**32"),
+    (dict(seed="0"), "seed", "integer"),
+    (dict(minibatches=3), "minibatches", "divide"),
+    (dict(grad_accum=3), "grad_accum", "divide"),
+    (dict(reinforce=True, num_iterations=2), "reinforce", "num_iterations=1"),
+    (dict(algo="ppo", dynamic_sampling=True), "dynamic_sampling", "grpo"),
+    (dict(stop_rules="adv/gvv>0.45 for 5"), "stop_rules", "adv/gav"),
+    (dict(stop_rules="adv/gav >> 0.45"), "stop_rules", "METRIC OP NUMBER"),
+    (dict(stop_rules="adv/gav>high"), "stop_rules", "finite number"),
+    (dict(stop_rules="adv/gav>0.45 for 0"), "stop_rules", "COUNT >= 1"),
+    (dict(stop_rules="policy/kl>0.5"), "stop_rules", "beta > 0"),
+    (dict(stop_rules="value/clipfrac>0.5"), "stop_rules", "algo='ppo'"),
+    (dict(stop_rules=["adv/gav>0.45"]), "stop_rules", "string"),
+]
+
+
+@pytest.mark.parametrize("fields, name, rule", BAD_CONFIGS,
+                         ids=[f"{n}={f[n] if n in f else next(iter(f.values()))!r}"
+                              for f, n, _ in BAD_CONFIGS])
+def test_a_bad_field_is_named_with_its_rule(fields, name, rule):
+    with pytest.raises(ValueError) as e:
+        TrainConfig(**fields)
+    assert name in str(e.value) and rule in str(e.value), str(e.value)
+
+
+def test_run_dir_that_is_a_file_or_inside_one_is_refused(tmp_path):
+    afile = tmp_path / "notes.txt"
+    afile.write_text("not a folder")
+    for run_dir, words in ((afile, "is a file"), (afile / "run", "cannot be made")):
+        with pytest.raises(ValueError, match="run_dir") as e:
+            TrainConfig(run_dir=str(run_dir))
+        assert words in str(e.value)
+
+
+def test_unknown_fields_of_a_saved_config_list_the_valid_ones():
+    with pytest.raises(ValueError, match="unknown config field.*'group_sise'.*group_size"):
+        TrainConfig.from_dict({"group_sise": 4})
+
+
+@pytest.mark.parametrize("fields", [
+    dict(seed=-7), dict(model="org/name"), dict(device="cpu"), dict(algo="ppo", group_size=1),
+    dict(stop_rules="adv/gav>0.45 for 5; rollout/reward_mean >= 0.99"),
+    dict(stop_rules=" ; eval/pass@1<0.01 for 2 ;"), dict(stop_rules="eval/pass@4<0.1"),
+    dict(beta=0.04, stop_rules="policy/kl>0.5"), dict(dual_clip=3.0, value_clip=None),
+    dict(digits=1, eval_n=8),
+], ids=str)
+def test_good_fields_still_pass(fields):
+    config = TrainConfig(**fields)
+    assert all(getattr(config, k) == v for k, v in fields.items())
+
+
+def test_a_pass_at_k_rule_needs_that_k_to_be_logged():
+    with pytest.raises(ValueError, match="stop_rules.*eval_samples"):
+        TrainConfig(stop_rules="eval/pass@8<0.1", eval_samples=4)
+
+
+# --- the command line, in real processes ------------------------------------------------------
+
+def labkit(*args, cwd):
+    return subprocess.run([sys.executable, "-m", "labkit", *map(str, args)], cwd=cwd,
+                          capture_output=True, text=True, timeout=300)
+
+
+def one_error_line(done) -> str:
+    assert done.returncode == 2, (done.returncode, done.stderr)
+    assert "Traceback" not in done.stderr, done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), done.stderr
+    return lines[0]
+
+
+def write_sweep(tmp_path, notebook: Path, **spec) -> Path:
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump({"notebook": str(notebook), "name": "s", **spec}))
+    return path
+
+
+def a_file(tmp_path) -> Path:
+    path = tmp_path / "afile"
+    path.write_text("x")
+    return path
+
+
+def broken_run(tmp_path) -> Path:
+    path = tmp_path / "broken-run"
+    path.mkdir()
+    (path / "config.json").write_text("{not json")
+    return path
+
+
+def bad_yaml(tmp_path) -> Path:
+    path = tmp_path / "bad.yaml"
+    path.write_text("notebook: [unclosed\n")
+    return path
+
+
+# (id, the arguments given tmp_path, words the error line must hold); each is distinct from
+# the bad command lines tests/test_cli.py, test_trainer.py and test_runner.py already run
+CLI_CASES = [
+    ("train-stop-rules", lambda t: ["train", "--stop-rules", "adv/gvv>0.45 for 5"],
+     ["stop_rules", "adv/gvv", "adv/gav"]),
+    ("train-temperature-nan", lambda t: ["train", "--temperature", "nan"],
+     ["temperature", "finite"]),
+    ("train-run-dir-file", lambda t: ["train", "--run-dir", a_file(t)], ["run_dir", "is a file"]),
+    ("train-unknown-option", lambda t: ["train", "--colour", "red"],
+     ["unrecognized arguments", "--colour"]),
+    ("train-resume-broken", lambda t: ["train", "--resume", broken_run(t)],
+     ["config.json", "not a labkit run config"]),
+    ("eval-batch-size", lambda t: ["eval", "--batch-size", "0"], ["--batch-size", ">= 1"]),
+    ("eval-digits-text", lambda t: ["eval", "--digits", "two"],
+     ["--digits", "invalid int value"]),
+    ("run-group-size", lambda t: ["run", NOTEBOOKS / "01_grpo_vs_ppo.ipynb", "-p", "group_size",
+                                  "1", "--root", t / "runs"],
+     ["group_size", ">= 2", "01_grpo_vs_ppo.ipynb"]),
+    ("run-estimator", lambda t: ["run", NOTEBOOKS / "03_advantage_variance_live.ipynb", "-p",
+                                 "estimator", "ppo", "--root", t / "runs"],
+     ["estimator", "rloo"]),
+    ("run-missing-value", lambda t: ["run", TINY, "-p", "label"], ["-p", "expected 2 arguments"]),
+    ("sweep-bad-yaml", lambda t: ["sweep", bad_yaml(t), "--root", t / "runs"],
+     ["bad.yaml", "not valid YAML"]),
+    ("sweep-bad-grid", lambda t: ["sweep", write_sweep(t, NOTEBOOKS / "01_grpo_vs_ppo.ipynb",
+                                                       grid={"lr": [0.001, -0.001]}),
+                                  "--root", t / "runs"], ["lr", "> 0"]),
+]
+
+
+@pytest.mark.parametrize("make_args, words", [c[1:] for c in CLI_CASES],
+                         ids=[c[0] for c in CLI_CASES])
+def test_command_line_errors_are_one_line_before_any_run(tmp_path, make_args, words):
+    """A bad command line in a fresh process: one `error:` line naming the culprit, exit 2,
+    and no run folder anywhere (so no model loaded: a run claims its folder first)."""
+    done = labkit(*make_args(tmp_path), cwd=tmp_path)
+    line = one_error_line(done)
+    assert all(str(w) in line for w in words), line
+    assert not (tmp_path / "experiments").exists() and not (tmp_path / "runs").exists()
+
+
+def test_resuming_a_run_that_is_still_running_is_refused(tmp_path):
+    run_dir = tmp_path / "busy"
+    run_dir.mkdir()
+    (run_dir / "config.json").write_text(json.dumps({"config": {}}))
+    with RunLock(run_dir):  # as a live run holds it
+        done = labkit("train", "--resume", run_dir, cwd=tmp_path)
+    line = one_error_line(done)
+    assert "in use by another run" in line and str(run_dir) in line
+
+
+def test_eval_checks_before_loading_a_model(monkeypatch, capsys):
+    """In process, with model loading forbidden: the checks come first."""
+    import labkit.models
+    from labkit.__main__ import main
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(labkit.models, "load", refuse)
+    for args, word in ((["--batch-size", "0"], "--batch-size"), (["--n", "-3"], "--n"),
+                       (["--device", "tpu"], "device"), (["--operands", "9"], "operands")):
+        assert main(["eval", *args]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and err.count("\n") == 1 and word in err, err
+
+
+def test_sweep_checks_every_grid_point_against_the_config_rules(tmp_path):
+    from labkit import sweeps
+
+    path = write_sweep(tmp_path, NOTEBOOKS / "01_grpo_vs_ppo.ipynb",
+                       grid={"batch_prompts": [8, 6], "group_size": [4, 1]})
+    with pytest.raises(ValueError, match=r"01_grpo_vs_ppo.ipynb with .*group_size=1.*"
+                                         r"group_size must be >= 2"):
+        sweeps.load_sweep(path)
+    # names that only look like config fields (another type) are the notebook's business
+    assert sweeps.load_sweep(write_sweep(tmp_path, TINY, parameters={"scale": 0.5},
+                                         grid={"steps": [1, 2]})).grid == {"steps": [1, 2]}
+
+
+def test_non_finite_values_parse_but_do_not_pass():
+    """`--lr inf` reads as a float; the config is what refuses it."""
+    from labkit.__main__ import parse_value
+
+    assert math.isinf(parse_value("inf", float, "lr"))
+    with pytest.raises(ValueError, match="lr must be a finite number"):
+        TrainConfig(lr=parse_value("inf", float, "lr"))
+
+
+def test_every_field_has_a_docstring_for_the_help():
+    from dataclasses import fields
+
+    from labkit.config import field_docs
+
+    docs = field_docs()
+    assert [f.name for f in fields(TrainConfig) if not docs.get(f.name)] == []
+    assert "METRIC OP NUMBER [for COUNT]" in docs["stop_rules"]
