@@ -5,6 +5,7 @@ eval   evaluate a model (the embedded one by default) on held-out problems of a 
 run    execute a notebook with papermill into a new run directory (`-p NAME VALUE` checked
        against its parameters cell first)
 sweep  run a notebook over the parameter grid and seeds of experiments/NAME.yaml
+bench  time the GRPO step, rollout and memory against TRL, model.generate and PPO
 """
 
 from __future__ import annotations
@@ -237,12 +238,19 @@ def main(argv: list[str] | None = None) -> int:
     _eval_parser(sub)
     _run_parser(sub)
     _sweep_parser(sub)
+    from labkit.bench import add_parser as _bench_parser
+
+    _bench_parser(sub)
     args = parser.parse_args(argv)
     try:
         if args.command == "run":
             return run_notebook_command(args)
         if args.command == "sweep":
             return run_sweep_command(args)
+        if args.command == "bench":
+            from labkit.bench import main_bench
+
+            return main_bench(args)
         result = run_train(args) if args.command == "train" else run_eval(args)
     except (ValueError, FileNotFoundError, FileExistsError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -104,7 +104,8 @@ def policy_terms(config: TrainConfig, learner: Learner, batch: RolloutBatch, mic
     """The policy's loss on rows `micro`: clipped surrogate (or REINFORCE) + beta KL - entropy."""
     want_entropy_grad = config.entropy_coef > 0
     logp, ent = token_logprobs(learner.policy, batch, micro, temperature=config.temperature,
-                               with_entropy=True, entropy_grad=want_entropy_grad)
+                               with_entropy=True, entropy_grad=want_entropy_grad,
+                               share_prompt=config.share_prompt)
     mask = batch.completion_mask[micro]
     agg = dict(agg=config.agg, max_len=config.max_new_tokens)
     A = advantages[micro]
@@ -144,7 +145,8 @@ def update(config: TrainConfig, learner: Learner, batch: RolloutBatch, rows: Ten
             with acc.autocast():
                 loss, stats = policy_terms(config, learner, batch, micro, advantages, ref_logp)
                 if learner.critic is not None:
-                    values = token_values(learner.critic, batch, micro)
+                    values = token_values(learner.critic, batch, micro,
+                                          share_prompt=config.share_prompt)
                     v_loss, v_stats = losses.value_loss(
                         values, old_values[micro], returns[micro], mask[micro],
                         clip=config.value_clip, agg=config.agg, max_len=config.max_new_tokens)
@@ -171,7 +173,8 @@ def _reference_logprobs(config: TrainConfig, learner: Learner, batch: RolloutBat
     if learner.reference is None:
         return None
     with learner.accelerator.autocast():
-        logp, _ = token_logprobs(learner.reference, batch, temperature=config.temperature)
+        logp, _ = token_logprobs(learner.reference, batch, temperature=config.temperature,
+                                 share_prompt=config.share_prompt)
     return logp
 
 
@@ -203,7 +206,8 @@ def ppo_step(config: TrainConfig, learner: Learner, batch: RolloutBatch, rewards
     mask = batch.completion_mask
     ref_logp = _reference_logprobs(config, learner, batch)
     with torch.no_grad(), learner.accelerator.autocast():
-        old_values = token_values(learner.critic, batch).float()  # (N, T)
+        old_values = token_values(learner.critic, batch,
+                                  share_prompt=config.share_prompt).float()  # (N, T)
     token_rewards = losses.ppo_token_rewards(
         rewards, mask, logp=batch.old_logprobs if ref_logp is not None else None,
         ref_logp=ref_logp, beta=config.beta if ref_logp is not None else 0.0,

@@ -143,6 +143,9 @@ class TrainConfig:
     """cpu, cuda, cuda:1; None picks CUDA when available."""
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     """Mixed precision of the update: auto is bf16 on a GPU that has it, else fp32."""
+    share_prompt: bool = True
+    """Update: run each prompt once per group and its G completions against its KV cache
+    (same log-probs and gradients as running the prompt G times, in less time)."""
     progress: bool = True
     """Show a progress bar."""
 
@@ -168,7 +171,7 @@ class TrainConfig:
     def _check_types(self) -> None:
         """Fields whose type a typo can change: a bool given "false", a path given 5."""
         for name in ("score_truncated", "std_unbiased", "dynamic_sampling", "reinforce",
-                     "whiten_advantages", "progress"):
+                     "whiten_advantages", "share_prompt", "progress"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         for name in ("model", "gsm8k_path", "run_dir", "device"):

@@ -117,6 +117,63 @@ def cache_of(output):
     return cache if cache is not None else output.past_key_values
 
 
+def _reserved_layer_class():
+    """A KV-cache layer of transformers' DynamicCache whose keys and values live in buffers
+    reserved for the whole rollout: a decode step writes its position in place, where the
+    plain layer concatenates (copies) the entire cache at every token, which on a CPU costs
+    more than the model's matmuls once the cache holds a long prompt. None where transformers
+    has no such layer class (an older version): the plain cache is used then."""
+    try:
+        from transformers.cache_utils import DynamicLayer
+    except ImportError:
+        return None, None
+
+    class ReservedLayer(DynamicLayer):
+        def reserve(self, capacity: int, keys_by_column: bool) -> None:
+            """Room for `capacity` positions. `keys_by_column` stores the keys as (D, position)
+            so that eager attention's `query @ key^T` reads them in place (a plain matmul with
+            a leading dimension) instead of copying the strided cache at every step."""
+            N, H, L, D = self.keys.shape
+            self._by_column = keys_by_column
+            shape = (N, H, D, capacity) if keys_by_column else (N, H, capacity, D)
+            self._key_buffer = self.keys.new_empty(shape)
+            self._value_buffer = self.values.new_empty(N, H, capacity, self.values.shape[-1])
+            self._write(self.keys, self.values, 0, L)
+
+        def _write(self, keys, values, start: int, end: int) -> None:
+            if self._by_column:
+                self._key_buffer[..., start:end] = keys.transpose(2, 3)
+                self.keys = self._key_buffer[..., :end].transpose(2, 3)
+            else:
+                self._key_buffer[:, :, start:end] = keys
+                self.keys = self._key_buffer[:, :, :end]
+            self._value_buffer[:, :, start:end] = values
+            self.values = self._value_buffer[:, :, :end]
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            start, end = self.keys.shape[-2], self.keys.shape[-2] + key_states.shape[-2]
+            if end > self._value_buffer.shape[-2]:  # past the reservation: grow as usual
+                return super().update(key_states, value_states, *args, **kwargs)
+            self._write(key_states, value_states, start, end)
+            return self.keys, self.values
+
+    return DynamicLayer, ReservedLayer
+
+
+_PLAIN_LAYER, _RESERVED_LAYER = _reserved_layer_class()
+
+
+def reserve_cache(cache, extra_tokens: int, keys_by_column: bool = False) -> None:
+    """Give each plain layer of a filled DynamicCache room for `extra_tokens` more positions
+    (other layer types, e.g. sliding windows, are left as they are)."""
+    if _RESERVED_LAYER is None or not hasattr(cache, "layers"):
+        return
+    for layer in cache.layers:
+        if type(layer) is _PLAIN_LAYER and layer.is_initialized and layer.keys.dim() == 4:
+            layer.__class__ = _RESERVED_LAYER
+            layer.reserve(layer.keys.shape[-2] + extra_tokens, keys_by_column)
+
+
 def _check(group_size, max_new_tokens, temperature, top_k, top_p, greedy):
     if group_size < 1:
         raise ValueError(f"group_size must be >= 1, got {group_size}")
@@ -162,10 +219,14 @@ def rollout(model, tokenizer, prompts: Sequence[str], *, group_size: int,
                     use_cache=True, logits_to_keep=1)
         cache, cache_kw = cache_of(out), cache_keyword(model)
         cache.batch_repeat_interleave(G)  # (B, ...) -> (B*G, ...)
+        eager = getattr(model.config, "_attn_implementation", None) == "eager"
+        reserve_cache(cache, max_new_tokens, keys_by_column=eager)
         logits = out.logits[:, -1].float().repeat_interleave(G, dim=0)  # (N, V)
-        mask = prompt_mask.repeat_interleave(G, dim=0)  # (N, P)
+        P = prompt_mask.shape[1]
+        full_mask = torch.ones(N := logits.shape[0], P + max_new_tokens, dtype=prompt_mask.dtype,
+                               device=device)
+        full_mask[:, :P] = prompt_mask.repeat_interleave(G, dim=0)  # (N, P + T)
         next_pos = prompt_mask.sum(-1).repeat_interleave(G)  # (N,)
-        N = logits.shape[0]
         tokens, logps, real = [], [], []
         alive = torch.ones(N, dtype=torch.bool, device=device)
         finished = torch.zeros(N, dtype=torch.bool, device=device)
@@ -186,8 +247,7 @@ def rollout(model, tokenizer, prompts: Sequence[str], *, group_size: int,
             alive &= ~hit_eos
             if not alive.any() or step == max_new_tokens - 1:
                 break
-            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=-1)
-            out = model(input_ids=token[:, None], attention_mask=mask,
+            out = model(input_ids=token[:, None], attention_mask=full_mask[:, :P + step + 1],
                         position_ids=next_pos[:, None], use_cache=True, **{cache_kw: cache})
             cache, next_pos = cache_of(out), next_pos + 1
             logits = out.logits[:, -1].float()

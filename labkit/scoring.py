@@ -2,21 +2,27 @@
 
 Shapes: B prompts, G per group, N = B*G rows, P prompt tokens (left-padded), T completion
 tokens (right-padded), L = P + T, V vocabulary. Row n of a rollout is prompt n // G followed
-by completion n; the logits that predict completion token t sit at position P - 1 + t, so
-only the last T + 1 positions are ever turned into logits (`logits_to_keep`), never the
-prompt's.
+by completion n; the output that predicts completion token t sits at position P - 1 + t, so
+only the last T positions are ever turned into logits (`logits_to_keep`), never the prompt's.
+
+Two paths give the same numbers. The plain one runs every row's prompt + completion (n, L):
+the prompt of a group is run G times, as peers do. The shared one (`share_prompt=True`, the
+default) runs each distinct prompt of the rows once, *with* gradient, keeps its KV cache,
+repeats the cache over the rows of its group and runs only the completions against it. The
+gradient that reaches the prompt's keys and values from the G completions is summed by the
+indexing's backward, so the parameters get the same gradient as on the plain path.
 """
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
 
 from labkit.losses import entropy as entropy_of
-from labkit.rollout import RolloutBatch
-
+from labkit.rollout import RolloutBatch, cache_keyword, cache_of
 
 def sequences(batch: RolloutBatch, rows: Tensor | None = None):
     """`(input_ids, attention_mask, position_ids)`, each (n, L), for the given rows (all if None)."""
@@ -29,21 +35,68 @@ def sequences(batch: RolloutBatch, rows: Tensor | None = None):
     return ids, mask, positions
 
 
+def _all_rows(batch: RolloutBatch, rows: Tensor | None) -> Tensor:
+    if rows is None:
+        return torch.arange(batch.completion_ids.shape[0], device=batch.completion_ids.device)
+    return rows
+
+
+# run(ids, mask, positions, cache, keep) -> (outputs (n, keep, ...), cache): one forward of a
+# causal model that returns its last `keep` positions' outputs and its KV cache
+Forward = Callable[..., tuple[Tensor, object]]
+
+
+def completion_outputs(run: Forward, batch: RolloutBatch, rows: Tensor | None = None, *,
+                       share_prompt: bool = True) -> Tensor:
+    """The outputs (n, T, ...) at the T positions that predict the completion tokens of `rows`:
+    the last prompt position and the first T - 1 completion positions."""
+    rows = _all_rows(batch, rows)
+    T = batch.completion_ids.shape[1]
+    if not share_prompt:
+        ids, mask, positions = sequences(batch, rows)
+        out, _ = run(ids, mask, positions, None, T + 1)
+        return out[:, :-1]
+    unique, inverse = torch.unique(batch.group_index[rows], return_inverse=True)
+    prompt_mask = batch.prompt_mask[unique]  # (u, P)
+    positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
+    last, cache = run(batch.prompt_ids[unique], prompt_mask, positions, None, 1)  # (u, 1, ...)
+    first = last[inverse]  # (n, 1, ...): predicts completion token 0
+    if T == 1:
+        return first
+    cache.batch_select_indices(inverse)  # (u, ...) -> (n, ...), differentiable
+    mask = torch.cat([prompt_mask[inverse], batch.completion_mask[rows, :-1]], dim=1)
+    start = prompt_mask.sum(-1)[inverse][:, None]  # (n, 1): the first completion position
+    positions = start + torch.arange(T - 1, device=start.device)  # (n, T-1)
+    rest, _ = run(batch.completion_ids[rows, :-1], mask, positions, cache, T - 1)
+    return torch.cat([first, rest], dim=1)
+
+
+def _lm_forward(model) -> Forward:
+    keyword = cache_keyword(getattr(model, "module", model))
+
+    def run(ids, mask, positions, cache, keep):
+        extra = {} if cache is None else {keyword: cache}
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions,
+                    use_cache=True, logits_to_keep=keep, **extra)
+        return out.logits, cache_of(out)
+    return run
+
+
 def token_logprobs(model, batch: RolloutBatch, rows: Tensor | None = None, *,
                    temperature: float = 1.0, with_entropy: bool = False,
-                   entropy_grad: bool = False) -> tuple[Tensor, Tensor | None]:
+                   entropy_grad: bool = False, share_prompt: bool = True
+                   ) -> tuple[Tensor, Tensor | None]:
     """Log-probs (n, T) of the completion tokens under `model`, and their entropy (n, T).
 
     Logits are divided by `temperature`, as when the rollout sampled, so a policy equal to
     the sampling one gives ratio 1. Log-probs are fp32 whatever the model's dtype. The
     entropy is detached unless `entropy_grad` (an entropy bonus needs its gradient).
+    `share_prompt` runs each prompt once for its group (module docstring).
     """
-    ids, mask, positions = sequences(batch, rows)
-    T = batch.completion_ids.shape[1]
-    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False,
-                logits_to_keep=T + 1)
-    logits = out.logits[:, :-1].float() / temperature  # (n, T, V)
-    targets = ids[:, -T:]
+    rows = _all_rows(batch, rows)
+    logits = completion_outputs(_lm_forward(model), batch, rows, share_prompt=share_prompt)
+    logits = logits.float() / temperature  # (n, T, V)
+    targets = batch.completion_ids[rows]
     logp = logits.gather(-1, targets[..., None]).squeeze(-1) - logits.logsumexp(-1)  # (n, T)
     ent = None
     if with_entropy:
@@ -67,14 +120,17 @@ class ValueModel(nn.Module):
         nn.init.zeros_(self.head.bias)
         self.head.to(next(self.backbone.parameters()).device)
 
-    def forward(self, input_ids, attention_mask, position_ids) -> Tensor:
-        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask,
-                               position_ids=position_ids, use_cache=False).last_hidden_state
-        return self.head(hidden).squeeze(-1).float()  # (n, L)
+    def forward(self, input_ids, attention_mask, position_ids, cache=None,
+                keep: int | None = None) -> tuple[Tensor, object]:
+        """Values (n, keep) of the last `keep` positions (all when None), and the KV cache."""
+        extra = {} if cache is None else {cache_keyword(self.backbone): cache}
+        out = self.backbone(input_ids=input_ids, attention_mask=attention_mask,
+                            position_ids=position_ids, use_cache=True, **extra)
+        hidden = out.last_hidden_state if keep is None else out.last_hidden_state[:, -keep:]
+        return self.head(hidden).squeeze(-1).float(), cache_of(out)  # (n, keep)
 
 
-def token_values(critic: ValueModel, batch: RolloutBatch, rows: Tensor | None = None) -> Tensor:
+def token_values(critic: ValueModel, batch: RolloutBatch, rows: Tensor | None = None, *,
+                 share_prompt: bool = True) -> Tensor:
     """Values (n, T): V at the state before each completion token (position P - 1 + t)."""
-    ids, mask, positions = sequences(batch, rows)
-    T = batch.completion_ids.shape[1]
-    return critic(ids, mask, positions)[:, -T - 1:-1]
+    return completion_outputs(critic, batch, rows, share_prompt=share_prompt)

@@ -131,6 +131,19 @@ def _accelerator(config: TrainConfig):
                        mixed_precision="bf16" if precision == "bf16" else "no")
 
 
+def _cpu_bf16_attention(model) -> None:
+    """Eager attention for bf16 autocast on a CPU: torch's fused attention kernels run bf16
+    several times slower there than plain matmul + softmax at a rollout's shapes (one query
+    over a few hundred cached keys: 1.8 ms against 0.9 ms a call, 2 cores), and the step
+    follows (benchmarks/bench: `python -m labkit bench`). Same numbers up to bf16 rounding."""
+    if model is None or not hasattr(model, "set_attn_implementation"):
+        return
+    try:
+        model.set_attn_implementation("eager")
+    except (ValueError, ImportError):  # an architecture without it keeps its own
+        pass
+
+
 def build_learner(config: TrainConfig, accelerator):
     """Policy (+ frozen reference when beta > 0, + critic for PPO), optimizers, schedules."""
     from labkit.models import load
@@ -141,6 +154,9 @@ def build_learner(config: TrainConfig, accelerator):
     if config.beta > 0:
         reference, _ = load(config.model, device=accelerator.device, dtype="fp32")
         reference.requires_grad_(False)
+    if accelerator.device.type == "cpu" and accelerator.mixed_precision == "bf16":
+        for model in (policy, reference):
+            _cpu_bf16_attention(model)
     factor = _schedule(config)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=config.lr,
                                   weight_decay=config.weight_decay)
@@ -368,10 +384,13 @@ def _one_step(config, learner, tokenizer, source, step_fn, step: int, device) ->
     t0 = time.perf_counter()
     problems = source.draw(step_seed)
     policy = learner.accelerator.unwrap_model(learner.policy)
-    batch = rollout(policy, tokenizer, [p.prompt for p in problems],
-                    group_size=config.group_size, max_new_tokens=config.max_new_tokens,
-                    temperature=config.temperature, top_k=config.top_k, top_p=config.top_p,
-                    seed=step_seed)
+    # one autocast region for the whole rollout: its weight casts (bf16) are made once and
+    # reused by every decode step, not redone by each forward
+    with learner.accelerator.autocast():
+        batch = rollout(policy, tokenizer, [p.prompt for p in problems],
+                        group_size=config.group_size, max_new_tokens=config.max_new_tokens,
+                        temperature=config.temperature, top_k=config.top_k, top_p=config.top_p,
+                        seed=step_seed)
     answers = [p.answer for p in problems for _ in range(config.group_size)]
     rewards = torch.tensor(check_rewards(correctness(batch.texts, answer=answers),
                                          "correctness"), device=device)

@@ -215,3 +215,31 @@ def test_bad_sampling_arguments_are_named(tiny, kwargs, name):
         rollout(model, tokenizer, PROMPTS, **args)
     with pytest.raises(ValueError, match="prompts"):
         rollout(model, tokenizer, [], group_size=2)
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_reserved_cache_gives_the_same_rollout_as_the_growing_cache(tiny, attention,
+                                                                      monkeypatch):
+    """The decode loop writes into buffers reserved up front (keys by column for eager
+    attention); the plain cache concatenates. Same tokens and log-probs either way."""
+    import copy
+
+    import labkit.rollout as module
+
+    model, tokenizer = tiny
+    model = copy.deepcopy(model)
+    model.set_attn_implementation(attention)
+    reserved = []
+
+    def spy(cache, extra, keys_by_column=False):
+        module_reserve(cache, extra, keys_by_column)
+        reserved.append((type(cache.layers[0]).__name__, keys_by_column))
+
+    module_reserve = module.reserve_cache
+    monkeypatch.setattr(module, "reserve_cache", spy)
+    fast = rollout(model, tokenizer, PROMPTS, group_size=3, max_new_tokens=10, seed=5)
+    assert reserved == [("ReservedLayer", attention == "eager")]
+    monkeypatch.setattr(module, "reserve_cache", lambda *args, **kwargs: None)
+    plain = rollout(model, tokenizer, PROMPTS, group_size=3, max_new_tokens=10, seed=5)
+    assert torch.equal(fast.completion_ids, plain.completion_ids)
+    torch.testing.assert_close(fast.old_logprobs, plain.old_logprobs, atol=1e-6, rtol=1e-6)

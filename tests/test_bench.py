@@ -1,0 +1,75 @@
+"""`python -m labkit bench`: its inputs, its arithmetic, and one end-to-end run at toy scale
+(the figures themselves are the README's, measured on a quiet machine)."""
+
+import json
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from labkit import bench
+
+KEYS = {"trl_step_ratio_tiny", "trl_step_ratio_small", "rollout_speedup_small",
+        "grpo_ppo_memory_ratio", "labkit_step_s_tiny", "trl_step_s_tiny", "labkit_step_s_small",
+        "trl_step_s_small", "rollout_tokens_per_s_labkit", "rollout_tokens_per_s_generate",
+        "grpo_peak_mb", "ppo_peak_mb", "precision", "gradient_checkpointing"}
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "labkit", "bench", *args], capture_output=True,
+                          text=True, timeout=900)
+
+
+def test_long_prompts_have_exactly_the_asked_token_count(tiny):
+    _, tokenizer = tiny
+    prompts = bench.long_prompts(5, 128, seed=3)
+    assert len(set(prompts)) == 5
+    for prompt in prompts:
+        assert len(tokenizer(prompt)["input_ids"]) == 128
+
+
+def test_the_small_model_has_20_to_30_million_parameters(tiny):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    _, tokenizer = tiny
+    with torch.device("meta"):
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), tie_word_embeddings=True,
+                                             **bench.SMALL))
+    assert 20e6 <= sum(p.numel() for p in model.parameters()) <= 30e6
+
+
+def test_slope_is_the_least_squares_fit():
+    xs, ys = [2, 4, 8, 16], [0.31, 0.52, 1.05, 1.98]
+    assert bench._slope(xs, ys) == pytest.approx(np.polyfit(xs, ys, 1)[0], rel=1e-12)
+
+
+@pytest.mark.parametrize("args, name", [
+    (["--steps", "0"], "--steps"), (["--warmup", "-1"], "--warmup"),
+    (["--beta", "0"], "--beta"), (["--device", "tpu"], "--device"),
+])
+def test_bad_options_are_one_clear_line(args, name):
+    done = _cli(*args)
+    assert done.returncode == 2
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:") and name in lines[0], done.stderr
+
+
+def test_the_command_runs_end_to_end_and_ends_with_its_json_line():
+    done = _cli("--scale", "test", "--steps", "1", "--warmup", "0", "--quiet")
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.strip().splitlines()
+    summary = json.loads(lines[-1])
+    assert KEYS <= set(summary)
+    for key in ("trl_step_ratio_tiny", "trl_step_ratio_small", "rollout_speedup_small",
+                "grpo_ppo_memory_ratio"):
+        assert math.isfinite(summary[key]) and summary[key] > 0, key
+    assert summary["trl_step_ratio_small"] == pytest.approx(
+        summary["labkit_step_s_small"] / summary["trl_step_s_small"])
+    assert summary["rollout_identical"] is True  # greedy: the same tokens as model.generate
+    assert summary["precision"] == "bf16" and summary["gradient_checkpointing"] is False
+    assert {p["axis"] for p in summary["scaling"]} == {"group_size", "max_new_tokens", "plain"}
+    assert set(summary["targets_met"]) == set(bench.TARGETS)
+    assert any(line.startswith("comparison") for line in lines)  # the table above the JSON
