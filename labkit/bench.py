@@ -256,12 +256,10 @@ def worker_rollout(work: Work) -> dict:
             _sync(model)
             if rep >= work.warmup:
                 seconds[name].append(time.perf_counter() - start)
-    mine, theirs = results["labkit"], results["generate"]
-    real = mine >= 0
-    same = mine.shape[0] == theirs.shape[0] and bool(
-        (mine[:, :theirs.shape[1]][real[:, :theirs.shape[1]]] ==
-         theirs[real[:, :theirs.shape[1]]]).all()) and int(real.sum(-1).max()) <= theirs.shape[1]
-    return {"seconds": seconds, "tokens": int(real.sum()), "identical": same}
+    ours = [row[row >= 0].tolist() for row in results["labkit"]]  # each up to its EOS
+    theirs = results["generate"].tolist()
+    same = len(ours) == len(theirs) and all(a == b[:len(a)] for a, b in zip(ours, theirs))
+    return {"seconds": seconds, "tokens": sum(map(len, ours)), "identical": same}
 
 
 def worker_memory(work: Work, algo: str) -> dict:

@@ -143,6 +143,19 @@ def _grade(completion, gold: str, main_thread: bool) -> float:
     return 1.0 if ok else 0.0
 
 
+def per_completion(values, name: str, completions: Sequence, missing: str) -> None:
+    """Check a keyword column a reward reads (TRL passes dataset columns as keywords): given
+    (else ValueError(`missing`)), a list rather than one string, one entry per completion."""
+    if values is None:
+        raise ValueError(missing)
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):
+        raise ValueError(f"{name} must be a list with one entry per completion, "
+                         f"got {type(values).__name__}")
+    if len(values) != len(completions):
+        raise ValueError(f"{name} has {len(values)} entries but completions has "
+                         f"{len(completions)}: one entry per completion")
+
+
 def correctness(completions: Sequence, answer: Sequence | None = None, **kwargs) -> list[float]:
     r"""Verifiable reward: r_i = 1 if extract(completion_i) == answer_i mathematically, else 0.
 
@@ -162,16 +175,9 @@ def correctness(completions: Sequence, answer: Sequence | None = None, **kwargs)
     scores 0.0. Bad ground truth does raise ValueError: `answer` missing, a length that
     differs from `completions`, or a None or empty entry (the message names its index).
     """
-    if answer is None:
-        raise ValueError("correctness needs the ground truth as the keyword `answer` "
-                         "(a list with one entry per completion), e.g. a dataset column "
-                         "named 'answer'")
-    if isinstance(answer, (str, bytes)) or not hasattr(answer, "__len__"):
-        raise ValueError(f"answer (the ground truth) must be a list with one entry per "
-                         f"completion, got {type(answer).__name__}")
-    if len(answer) != len(completions):
-        raise ValueError(f"answer has {len(answer)} entries but completions has "
-                         f"{len(completions)}: one ground truth per completion")
+    per_completion(answer, "answer", completions,
+                   missing="correctness needs the ground truth as the keyword `answer` (a list "
+                           "with one entry per completion), e.g. a dataset column named 'answer'")
     golds = [_ground_truth(a, i) for i, a in enumerate(answer)]
     main_thread = threading.current_thread() is threading.main_thread()
     return [_grade(c, g, main_thread) for c, g in zip(completions, golds)]
@@ -261,12 +267,9 @@ def shaped(reward_fn: RewardFn, lam: float = 0.3) -> RewardFn:
     name = getattr(reward_fn, "__name__", type(reward_fn).__name__)
 
     def shaped_reward(completions: Sequence, steps: Sequence | None = None, **kwargs):
-        if steps is None:
-            raise ValueError(f"shaped reward needs the keyword `steps` (one list of expected "
-                             f"intermediate results per completion) for {name}")
-        if len(steps) != len(completions):
-            raise ValueError(f"steps has {len(steps)} entries but completions has "
-                             f"{len(completions)}")
+        per_completion(steps, "steps", completions,
+                       missing=f"shaped reward needs the keyword `steps` (one list of expected "
+                               f"intermediate results per completion) for {name}")
         raw = reward_fn(completions, steps=steps, **kwargs)
         return [float(r) - lam * (1.0 - step_completeness(c, s))
                 for r, c, s in zip(raw, completions, steps)]

@@ -55,7 +55,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Callable, Sequence
 
-from labkit.rewards import completion_text
+from labkit.rewards import completion_text, per_completion
 
 DEFAULT_TIMEOUT = 5.0  # seconds of wall-clock time per program, interpreter start-up included
 DEFAULT_MEMORY_MB = 512  # address space of the child (RLIMIT_AS)
@@ -213,16 +213,10 @@ def code_reward(completions: Sequence, tests: Sequence | None = None, *,
     do raise ValueError before anything runs: `tests` missing, a length that differs from
     `completions`, or an entry that is empty or does not compile (the message names it).
     """
-    if tests is None:
-        raise ValueError("code_reward needs the test cases as the keyword `tests` (one entry "
-                         "per completion: a string or a list of strings of Python), e.g. a "
-                         "dataset column named 'tests'")
-    if isinstance(tests, (str, bytes)) or not hasattr(tests, "__len__"):
-        raise ValueError(f"tests must be a list with one entry per completion, "
-                         f"got {type(tests).__name__}")
-    if len(tests) != len(completions):
-        raise ValueError(f"tests has {len(tests)} entries but completions has "
-                         f"{len(completions)}: one entry of test cases per completion")
+    per_completion(tests, "tests", completions,
+                   missing="code_reward needs the test cases as the keyword `tests` (one entry "
+                           "per completion: a string or a list of strings of Python), e.g. a "
+                           "dataset column named 'tests'")
     cases = [_test_sources(t, f"tests[{i}]") for i, t in enumerate(tests)]
     limits = _limits(timeout, memory_mb, cpu_s)
     python = python or sys.executable

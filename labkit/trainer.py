@@ -135,7 +135,7 @@ def _cpu_bf16_attention(model) -> None:
     """Eager attention for bf16 autocast on a CPU: torch's fused attention kernels run bf16
     several times slower there than plain matmul + softmax at a rollout's shapes (one query
     over a few hundred cached keys: 1.8 ms against 0.9 ms a call, 2 cores), and the step
-    follows (benchmarks/bench: `python -m labkit bench`). Same numbers up to bf16 rounding."""
+    follows (`python -m labkit bench`). Same numbers up to bf16 rounding."""
     if model is None or not hasattr(model, "set_attn_implementation"):
         return
     try:

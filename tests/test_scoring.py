@@ -10,21 +10,6 @@ from labkit.scoring import ValueModel, token_logprobs, token_values
 PROMPTS = ["1+2=", "37+85=", "9+90=", "12+34+56="]  # different lengths: left padding matters
 
 
-@pytest.fixture(scope="module")
-def random_qwen(tiny):
-    """A random Qwen2 with the embedded tokenizer: another architecture (grouped KV heads,
-    biases), and a broad distribution, so completions run long and get truncated."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    _, tokenizer = tiny
-    torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=256, pad_token_id=0, bos_token_id=1,
-                         eos_token_id=2, tie_word_embeddings=True)
-    return Qwen2ForCausalLM(config).eval(), tokenizer
-
-
 def _batch(model, tokenizer, max_new_tokens=10, group_size=3):
     return rollout(model, tokenizer, PROMPTS, group_size=group_size,
                    max_new_tokens=max_new_tokens, seed=3)
