@@ -105,7 +105,7 @@ def policy_terms(config: TrainConfig, learner: Learner, batch: RolloutBatch, mic
     want_entropy_grad = config.entropy_coef > 0
     logp, ent = token_logprobs(learner.policy, batch, micro, temperature=config.temperature,
                                with_entropy=True, entropy_grad=want_entropy_grad,
-                               share_prompt=config.share_prompt)
+                               share_prompt=config.share_prompt, lean=config.lean)
     mask = batch.completion_mask[micro]
     agg = dict(agg=config.agg, max_len=config.max_new_tokens)
     A = advantages[micro]
@@ -174,7 +174,7 @@ def _reference_logprobs(config: TrainConfig, learner: Learner, batch: RolloutBat
         return None
     with learner.accelerator.autocast():
         logp, _ = token_logprobs(learner.reference, batch, temperature=config.temperature,
-                                 share_prompt=config.share_prompt)
+                                 share_prompt=config.share_prompt, lean=config.lean)
     return logp
 
 

@@ -143,9 +143,16 @@ class TrainConfig:
     """cpu, cuda, cuda:1; None picks CUDA when available."""
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     """Mixed precision of the update: auto is bf16 on a GPU that has it, else fp32."""
-    share_prompt: bool = True
+    share_prompt: bool | None = None
     """Update: run each prompt once per group and its G completions against its KV cache
-    (same log-probs and gradients as running the prompt G times, in less time)."""
+    (same log-probs and gradients as running the prompt G times). None (auto) does so when
+    it saves at least labkit.scoring.SHARE_MIN_POSITIONS token positions in a pass (long
+    prompts: below that the extra forward call costs more than it saves); True always,
+    False never."""
+    lean: bool = True
+    """Run Llama, Mistral, Qwen2 and Qwen3 models through labkit.lean's hand-written
+    forward and decoder (the same numbers up to float rounding, with far less per-call
+    overhead); False, or any other architecture, uses the model's own forward."""
     progress: bool = True
     """Show a progress bar."""
 
@@ -171,9 +178,12 @@ class TrainConfig:
     def _check_types(self) -> None:
         """Fields whose type a typo can change: a bool given "false", a path given 5."""
         for name in ("score_truncated", "std_unbiased", "dynamic_sampling", "reinforce",
-                     "whiten_advantages", "share_prompt", "progress"):
+                     "whiten_advantages", "lean", "progress"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.share_prompt is not None and not isinstance(self.share_prompt, bool):
+            raise ValueError(f"share_prompt must be True, False or None (auto), "
+                             f"got {self.share_prompt!r}")
         for name in ("model", "gsm8k_path", "run_dir", "device"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value.strip()):

@@ -6,11 +6,15 @@ by completion n; the output that predicts completion token t sits at position P 
 only the last T positions are ever turned into logits (`logits_to_keep`), never the prompt's.
 
 Two paths give the same numbers. The plain one runs every row's prompt + completion (n, L):
-the prompt of a group is run G times, as peers do. The shared one (`share_prompt=True`, the
-default) runs each distinct prompt of the rows once, *with* gradient, keeps its KV cache,
-repeats the cache over the rows of its group and runs only the completions against it. The
-gradient that reaches the prompt's keys and values from the G completions is summed by the
-indexing's backward, so the parameters get the same gradient as on the plain path.
+the prompt of a group is run G times, as peers do. The shared one (`share_prompt=True`, and
+by default wherever it saves enough work) runs each distinct prompt of the rows once, *with*
+gradient, keeps its KV cache, repeats the cache over the rows of its group and runs only the
+completions against it. The gradient that reaches the prompt's keys and values from the G
+completions is summed by the indexing's backward, so the parameters get the same gradient
+as on the plain path.
+
+Either path runs a supported model (Llama, Mistral, Qwen2, Qwen3) through `labkit.lean`'s
+hand-written forward unless `lean=False`; its cache is then a `labkit.lean.LeanCache`.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
+from labkit import lean as _lean
 from labkit.losses import entropy as entropy_of
 from labkit.rollout import RolloutBatch, cache_keyword, cache_of
 
@@ -46,17 +51,26 @@ def _all_rows(batch: RolloutBatch, rows: Tensor | None) -> Tensor:
 Forward = Callable[..., tuple[Tensor, object]]
 
 
+SHARE_MIN_POSITIONS = 256
+"""`share_prompt=None` runs each prompt once per group when that saves at least this many
+token positions in a pass ((rows - distinct prompts) x prompt width): running the prompt
+apart costs one more forward call, which a short prompt does not pay back."""
+
+
 def completion_outputs(run: Forward, batch: RolloutBatch, rows: Tensor | None = None, *,
-                       share_prompt: bool = True) -> Tensor:
+                       share_prompt: bool | None = None) -> Tensor:
     """The outputs (n, T, ...) at the T positions that predict the completion tokens of `rows`:
     the last prompt position and the first T - 1 completion positions."""
     rows = _all_rows(batch, rows)
     T = batch.completion_ids.shape[1]
+    unique, inverse = torch.unique(batch.group_index[rows], return_inverse=True)
+    if share_prompt is None:
+        saved = (len(rows) - len(unique)) * batch.prompt_ids.shape[1]
+        share_prompt = saved >= SHARE_MIN_POSITIONS
     if not share_prompt:
         ids, mask, positions = sequences(batch, rows)
         out, _ = run(ids, mask, positions, None, T + 1)
         return out[:, :-1]
-    unique, inverse = torch.unique(batch.group_index[rows], return_inverse=True)
     prompt_mask = batch.prompt_mask[unique]  # (u, P)
     positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
     last, cache = run(batch.prompt_ids[unique], prompt_mask, positions, None, 1)  # (u, 1, ...)
@@ -71,7 +85,10 @@ def completion_outputs(run: Forward, batch: RolloutBatch, rows: Tensor | None = 
     return torch.cat([first, rest], dim=1)
 
 
-def _lm_forward(model) -> Forward:
+def _lm_forward(model, lean: bool = True) -> Forward:
+    if lean and _lean.unsupported(model) is None:
+        return lambda ids, mask, positions, cache, keep: _lean.lm_forward(
+            model, ids, mask, positions, cache, keep)
     keyword = cache_keyword(getattr(model, "module", model))
 
     def run(ids, mask, positions, cache, keep):
@@ -84,17 +101,19 @@ def _lm_forward(model) -> Forward:
 
 def token_logprobs(model, batch: RolloutBatch, rows: Tensor | None = None, *,
                    temperature: float = 1.0, with_entropy: bool = False,
-                   entropy_grad: bool = False, share_prompt: bool = True
+                   entropy_grad: bool = False, share_prompt: bool | None = None,
+                   lean: bool = True
                    ) -> tuple[Tensor, Tensor | None]:
     """Log-probs (n, T) of the completion tokens under `model`, and their entropy (n, T).
 
     Logits are divided by `temperature`, as when the rollout sampled, so a policy equal to
     the sampling one gives ratio 1. Log-probs are fp32 whatever the model's dtype. The
     entropy is detached unless `entropy_grad` (an entropy bonus needs its gradient).
-    `share_prompt` runs each prompt once for its group (module docstring).
+    `share_prompt` runs each prompt once for its group (module docstring); `lean` runs a
+    supported model through `labkit.lean.lm_forward` instead of its own forward.
     """
     rows = _all_rows(batch, rows)
-    logits = completion_outputs(_lm_forward(model), batch, rows, share_prompt=share_prompt)
+    logits = completion_outputs(_lm_forward(model, lean), batch, rows, share_prompt=share_prompt)
     logits = logits.float() / temperature  # (n, T, V)
     targets = batch.completion_ids[rows]
     logp = logits.gather(-1, targets[..., None]).squeeze(-1) - logits.logsumexp(-1)  # (n, T)
@@ -112,8 +131,9 @@ class ValueModel(nn.Module):
     its weights or its gradients.
     """
 
-    def __init__(self, policy):
+    def __init__(self, policy, lean: bool = True):
         super().__init__()
+        self.lean = lean
         self.backbone = copy.deepcopy(policy.base_model)
         self.head = nn.Linear(policy.config.hidden_size, 1)
         nn.init.zeros_(self.head.weight)
@@ -123,6 +143,10 @@ class ValueModel(nn.Module):
     def forward(self, input_ids, attention_mask, position_ids, cache=None,
                 keep: int | None = None) -> tuple[Tensor, object]:
         """Values (n, keep) of the last `keep` positions (all when None), and the KV cache."""
+        if self.lean and _lean.unsupported(self.backbone, need_head=False) is None:
+            hidden, cache = _lean.backbone(self.backbone, input_ids, attention_mask,
+                                           position_ids, cache, keep)
+            return self.head(hidden).squeeze(-1).float(), cache
         extra = {} if cache is None else {cache_keyword(self.backbone): cache}
         out = self.backbone(input_ids=input_ids, attention_mask=attention_mask,
                             position_ids=position_ids, use_cache=True, **extra)
@@ -131,6 +155,6 @@ class ValueModel(nn.Module):
 
 
 def token_values(critic: ValueModel, batch: RolloutBatch, rows: Tensor | None = None, *,
-                 share_prompt: bool = True) -> Tensor:
+                 share_prompt: bool | None = None) -> Tensor:
     """Values (n, T): V at the state before each completion token (position P - 1 + t)."""
     return completion_outputs(critic, batch, rows, share_prompt=share_prompt)

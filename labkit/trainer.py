@@ -127,8 +127,22 @@ def _accelerator(config: TrainConfig):
     precision = config.precision
     if precision == "auto":
         precision = "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
-    return Accelerator(cpu=device.type == "cpu",
-                       mixed_precision="bf16" if precision == "bf16" else "no")
+    mixed = "bf16" if precision == "bf16" else "no"
+    _forget_other_precision(mixed)
+    return Accelerator(cpu=device.type == "cpu", mixed_precision=mixed)
+
+
+def _forget_other_precision(mixed: str) -> None:
+    """accelerate keeps one process-wide state and refuses a second Accelerator with another
+    mixed precision (a notebook that runs an fp32 run, then a bf16 one). In a single process
+    that state holds nothing a finished run needs, so it is cleared; a distributed launch
+    keeps its state (and its launcher's precision)."""
+    from accelerate.state import AcceleratorState, PartialState
+
+    state = AcceleratorState._shared_state
+    if state and state.get("_mixed_precision", mixed) != mixed \
+            and PartialState().num_processes == 1:
+        AcceleratorState._reset_state()
 
 
 def _cpu_bf16_attention(model) -> None:
@@ -142,6 +156,16 @@ def _cpu_bf16_attention(model) -> None:
         model.set_attn_implementation("eager")
     except (ValueError, ImportError):  # an architecture without it keeps its own
         pass
+
+
+def _adamw(parameters, lr: float, weight_decay: float) -> torch.optim.AdamW:
+    """AdamW with torch's fused kernel (one call per step, not a dozen operations per
+    parameter tensor) where this torch has it for the parameters' device; the same update."""
+    parameters = list(parameters)
+    try:
+        return torch.optim.AdamW(parameters, lr=lr, weight_decay=weight_decay, fused=True)
+    except (RuntimeError, ValueError):  # no fused kernel for this device or dtype
+        return torch.optim.AdamW(parameters, lr=lr, weight_decay=weight_decay)
 
 
 def build_learner(config: TrainConfig, accelerator):
@@ -158,14 +182,12 @@ def build_learner(config: TrainConfig, accelerator):
         for model in (policy, reference):
             _cpu_bf16_attention(model)
     factor = _schedule(config)
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=config.lr,
-                                  weight_decay=config.weight_decay)
+    optimizer = _adamw(policy.parameters(), config.lr, config.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
     policy.train()
     if config.algo == "ppo":
-        critic = ValueModel(policy).train()
-        critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=config.critic_lr,
-                                             weight_decay=config.weight_decay)
+        critic = ValueModel(policy, lean=config.lean).train()
+        critic_optimizer = _adamw(critic.parameters(), config.critic_lr, config.weight_decay)
         critic_scheduler = torch.optim.lr_scheduler.LambdaLR(critic_optimizer, factor)
         policy, optimizer, scheduler, critic, critic_optimizer, critic_scheduler = \
             accelerator.prepare(policy, optimizer, scheduler, critic, critic_optimizer,
@@ -390,7 +412,7 @@ def _one_step(config, learner, tokenizer, source, step_fn, step: int, device) ->
         batch = rollout(policy, tokenizer, [p.prompt for p in problems],
                         group_size=config.group_size, max_new_tokens=config.max_new_tokens,
                         temperature=config.temperature, top_k=config.top_k, top_p=config.top_p,
-                        seed=step_seed)
+                        seed=step_seed, lean=config.lean)
     answers = [p.answer for p in problems for _ in range(config.group_size)]
     rewards = torch.tensor(check_rewards(correctness(batch.texts, answer=answers),
                                          "correctness"), device=device)

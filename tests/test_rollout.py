@@ -222,9 +222,10 @@ def test_reserved_cache_gives_the_same_rollout_as_the_growing_cache(tiny, attent
 
     module_reserve = module.reserve_cache
     monkeypatch.setattr(module, "reserve_cache", spy)
-    fast = rollout(model, tokenizer, PROMPTS, group_size=3, max_new_tokens=10, seed=5)
+    args = dict(group_size=3, max_new_tokens=10, seed=5, lean=False)  # the model's forward
+    fast = rollout(model, tokenizer, PROMPTS, **args)
     assert reserved == [("ReservedLayer", attention == "eager")]
     monkeypatch.setattr(module, "reserve_cache", lambda *args, **kwargs: None)
-    plain = rollout(model, tokenizer, PROMPTS, group_size=3, max_new_tokens=10, seed=5)
+    plain = rollout(model, tokenizer, PROMPTS, **args)
     assert torch.equal(fast.completion_ids, plain.completion_ids)
     torch.testing.assert_close(fast.old_logprobs, plain.old_logprobs, atol=1e-6, rtol=1e-6)

@@ -9,7 +9,7 @@ import torch
 from labkit.config import TrainConfig
 from labkit.rewards import correctness
 from labkit.runs import latest_checkpoint, read_metrics
-from labkit.trainer import train
+from labkit.trainer import _accelerator, train
 
 SMOKE = dict(steps=3, batch_prompts=4, group_size=4, max_new_tokens=12, eval_every=2,
              eval_n=16, eval_samples=2, cgc_prompts=4, progress=False, lr=5e-4)
@@ -196,3 +196,15 @@ def _answers(settings):
     config = TrainConfig(**{k: v for k, v in settings.items()})
     problems = ProblemSource(config).draw(config.seed * 1_000_003 + 1)
     return [p.answer for p in problems for _ in range(config.group_size)]
+
+
+def test_runs_of_different_precision_follow_each_other_in_one_process(tmp_path):
+    """A notebook runs an fp32 run, then a bf16 one, then fp32 again: each gets its own
+    precision (accelerate keeps one process-wide state and would refuse the second)."""
+    small = dict(SMOKE, steps=1, eval_n=4, eval_samples=1, cgc_prompts=0)
+    for i, precision in enumerate(["fp32", "bf16", "fp32"]):
+        result = train(TrainConfig(precision=precision, device="cpu",
+                                   run_dir=str(tmp_path / f"run{i}"), **small))
+        assert result.steps == 1
+        assert _accelerator(result.config).mixed_precision == \
+            ("bf16" if precision == "bf16" else "no")

@@ -1,0 +1,318 @@
+"""labkit.lean's hand-written forward and decoder against the models' own forward (the plain
+path): same logits, log-probs, gradients and tokens, for each architecture family it covers,
+and a clear fallback for what it does not cover."""
+
+import copy
+
+import pytest
+import torch
+from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM,
+                          Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+
+from labkit import lean
+from labkit.rollout import encode_prompts, rollout, sample
+from labkit.scoring import ValueModel, token_logprobs, token_values
+
+PROMPTS = ["1+2=", "37+85=", "9+90=", "12+34+56="]  # different lengths: left padding matters
+SHAPE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+def _random(kind: str, vocab: int):
+    torch.manual_seed(0)
+    if kind == "llama-gqa":  # grouped-query attention, untied head, Llama 3 RoPE scaling
+        config = LlamaConfig(vocab_size=vocab, num_key_value_heads=2, tie_word_embeddings=False,
+                             rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0,
+                                              "factor": 8.0, "low_freq_factor": 1.0,
+                                              "high_freq_factor": 4.0,
+                                              "original_max_position_embeddings": 64},
+                             **SHAPE)
+        return LlamaForCausalLM(config).eval()
+    if kind == "qwen2":  # q, k, v biases
+        return Qwen2ForCausalLM(Qwen2Config(vocab_size=vocab, num_key_value_heads=2,
+                                            tie_word_embeddings=True, **SHAPE)).eval()
+    if kind == "qwen3":  # per-head q and k norms
+        return Qwen3ForCausalLM(Qwen3Config(vocab_size=vocab, num_key_value_heads=4, head_dim=16,
+                                            tie_word_embeddings=True, **SHAPE)).eval()
+    raise ValueError(kind)
+
+
+@pytest.fixture(scope="module", params=["embedded", "llama-gqa", "qwen2", "qwen3"])
+def model_and_tokenizer(request, tiny):
+    model, tokenizer = tiny
+    if request.param == "embedded":
+        return copy.deepcopy(model).eval(), tokenizer
+    model = _random(request.param, len(tokenizer))
+    with torch.no_grad():  # random weights of a useful size (HF's init is tiny and flat)
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.15)
+    return model, tokenizer
+
+
+def _hf_logits(model, ids, mask):
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        return model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+
+
+def test_the_families_are_supported(model_and_tokenizer):
+    model, _ = model_and_tokenizer
+    assert lean.unsupported(model) is None
+
+
+def test_forward_with_and_without_a_cache_matches_the_model(model_and_tokenizer):
+    model, tokenizer = model_and_tokenizer
+    ids, mask = encode_prompts(tokenizer, PROMPTS)  # (4, P), left-padded
+    more = torch.randint(3, len(tokenizer), (4, 5))
+    full_ids = torch.cat([ids, more], 1)
+    full_mask = torch.cat([mask, torch.ones_like(more)], 1)
+    want = _hf_logits(model, full_ids, full_mask)
+    real = full_mask.bool()
+    positions = (full_mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        got, _ = lean.lm_forward(model, full_ids, full_mask, positions)
+        torch.testing.assert_close(got[real], want[real], atol=2e-5, rtol=1e-5)
+        # the prompt first, then the rest against its cache: the last 5 positions agree
+        _, cache = lean.lm_forward(model, ids, mask, positions[:, :ids.shape[1]])
+        rest, _ = lean.lm_forward(model, more, full_mask, positions[:, ids.shape[1]:], cache,
+                                  keep=5)
+    torch.testing.assert_close(rest, want[:, -5:], atol=2e-5, rtol=1e-5)
+
+
+def _batch(model, tokenizer, **kwargs):
+    args = dict(group_size=3, max_new_tokens=8, seed=3) | kwargs
+    return rollout(model, tokenizer, PROMPTS, **args)
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_log_prob_gradients_match_the_model_forward(model_and_tokenizer, share):
+    model, tokenizer = model_and_tokenizer
+    batch = _batch(model, tokenizer)
+    weights = torch.randn(batch.completion_ids.shape, generator=torch.Generator().manual_seed(0))
+    grads, values = {}, {}
+    for use_lean in (True, False):
+        model.zero_grad()
+        logp, _ = token_logprobs(model, batch, temperature=0.9, share_prompt=share,
+                                 lean=use_lean)
+        (logp * weights * batch.completion_mask).sum().backward()
+        values[use_lean] = logp.detach()
+        grads[use_lean] = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    mask = batch.completion_mask.bool()
+    torch.testing.assert_close(values[True][mask], values[False][mask], atol=2e-5, rtol=1e-5)
+    for name, want in grads[False].items():
+        scale = want.abs().max().clamp(min=1e-12)
+        assert (grads[True][name] - want).abs().max() / scale < 1e-4, name
+
+
+def test_critic_values_and_gradients_match_the_backbone_forward(tiny):
+    model, tokenizer = tiny
+    batch = _batch(model, tokenizer)
+    critic = ValueModel(model)
+    with torch.no_grad():
+        critic.head.weight.normal_()
+    out = {}
+    for use_lean in (True, False):
+        critic.lean = use_lean
+        critic.zero_grad()
+        values = token_values(critic, batch, share_prompt=True)
+        (values * batch.completion_mask).sum().backward()
+        out[use_lean] = (values.detach(), {n: p.grad.clone() for n, p in critic.named_parameters()})
+    mask = batch.completion_mask.bool()
+    torch.testing.assert_close(out[True][0][mask], out[False][0][mask], atol=2e-5, rtol=1e-5)
+    for name, want in out[False][1].items():
+        scale = want.abs().max().clamp(min=1e-12)
+        assert (out[True][1][name] - want).abs().max() / scale < 1e-4, name
+
+
+def test_bf16_autocast_log_probs_stay_close_to_the_model_under_autocast(model_and_tokenizer):
+    model, tokenizer = model_and_tokenizer
+    batch = _batch(model, tokenizer)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        ours, _ = token_logprobs(model, batch, lean=True)
+        theirs, _ = token_logprobs(model, batch, lean=False)
+    with torch.no_grad():
+        exact, _ = token_logprobs(model, batch, lean=False)
+    mask = batch.completion_mask.bool()
+    assert ours.dtype == torch.float32
+    # bf16 keeps 8 bits of mantissa: both sit as far from the fp32 values as each other
+    ours_err = (ours - exact)[mask].abs().mean()
+    theirs_err = (theirs - exact)[mask].abs().mean()
+    assert ours_err < 0.05 and ours_err < 3 * theirs_err + 1e-3
+
+
+@pytest.mark.parametrize("shared_prefix", [False, True])
+def test_decoder_logits_match_the_model_at_every_step(model_and_tokenizer, shared_prefix):
+    model, tokenizer = model_and_tokenizer
+    ids, mask = encode_prompts(tokenizer, PROMPTS)
+    G, T = 3, 6
+    decoder = lean.Decoder(model, torch.float32, shared_prefix=shared_prefix)
+    logits = decoder.prefill(ids, mask, G, T)
+    seq, seq_mask = ids.repeat_interleave(G, 0), mask.repeat_interleave(G, 0)
+    generator = torch.Generator().manual_seed(0)
+    for step in range(T):
+        want = _hf_logits(model, seq, seq_mask)[:, -1].float()
+        torch.testing.assert_close(logits, want, atol=5e-5, rtol=1e-5)
+        token = torch.randint(3, len(tokenizer), (seq.shape[0],), generator=generator)
+        seq = torch.cat([seq, token[:, None]], 1)
+        seq_mask = torch.cat([seq_mask, torch.ones_like(token[:, None])], 1)
+        if step < T - 1:
+            logits = decoder.step(token)
+
+
+def test_bf16_decoder_stays_close_to_the_model(model_and_tokenizer):
+    model, tokenizer = model_and_tokenizer
+    ids, mask = encode_prompts(tokenizer, PROMPTS)
+    decoder = lean.Decoder(model, torch.bfloat16)
+    got = decoder.prefill(ids, mask, 2, 4).log_softmax(-1)
+    want = _hf_logits(model, ids, mask)[:, -1].float().repeat_interleave(2, 0).log_softmax(-1)
+    top = want.argmax(-1, keepdim=True)  # the likeliest token's log-prob, to bf16 accuracy
+    torch.testing.assert_close(got.gather(-1, top), want.gather(-1, top), atol=0.05, rtol=0.05)
+
+
+@pytest.mark.parametrize("shared_prefix", [False, True])
+def test_lean_rollout_gives_the_tokens_of_the_model_forward(model_and_tokenizer, shared_prefix):
+    """Same seed, same draws: the lean decoder and the model's forward sample the same
+    tokens (their logits agree to float rounding) and report the same log-probs."""
+    model, tokenizer = model_and_tokenizer
+    for kwargs in (dict(greedy=True), dict(temperature=0.9, top_p=0.95)):
+        ours = _batch(model, tokenizer, lean=True, shared_prefix=shared_prefix, **kwargs)
+        theirs = _batch(model, tokenizer, lean=False, **kwargs)
+        assert torch.equal(ours.completion_ids, theirs.completion_ids)
+        assert torch.equal(ours.finished, theirs.finished)
+        torch.testing.assert_close(ours.old_logprobs, theirs.old_logprobs, atol=2e-5, rtol=1e-5)
+
+
+def test_reference_weights_are_restacked_when_they_change(tiny):
+    """The frozen reference keeps its stacked weights between calls; a change in place (a
+    checkpoint loaded into it) must show in the next forward."""
+    model, tokenizer = tiny
+    reference = copy.deepcopy(model).requires_grad_(False)
+    batch = _batch(model, tokenizer)
+    with torch.no_grad():
+        before, _ = token_logprobs(reference, batch)
+        with torch.no_grad():
+            reference.model.layers[0].mlp.up_proj.weight.mul_(1.5)
+        after, _ = token_logprobs(reference, batch)
+        want, _ = token_logprobs(reference, batch, lean=False)
+    mask = batch.completion_mask.bool()
+    assert (after - before)[mask].abs().max() > 1e-3
+    torch.testing.assert_close(after[mask], want[mask], atol=2e-5, rtol=1e-5)
+
+
+def _gpt2(tokenizer):
+    config = GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=1, n_head=2,
+                        n_positions=64, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    return GPT2LMHeadModel(config).eval()
+
+
+def test_unsupported_models_are_named_and_fall_back(tiny):
+    model, tokenizer = tiny
+    assert "model_type 'gpt2'" in lean.unsupported(_gpt2(tokenizer))
+    with pytest.raises(ValueError, match="lean decoder cannot run this model: model_type"):
+        lean.Decoder(_gpt2(tokenizer))
+    batch = _batch(_gpt2(tokenizer), tokenizer)  # the model's own forward takes over
+    assert batch.completion_ids.shape[0] == 12
+
+    probe = copy.deepcopy(model)
+    hook = probe.model.register_forward_hook(lambda *args: None)
+    assert "forward hooks" in lean.unsupported(probe)
+    hook.remove()
+    assert lean.unsupported(probe) is None
+    probe.lm_head.forward = lambda h: h
+    assert "forward was replaced" in lean.unsupported(probe)
+
+    checkpointed = copy.deepcopy(model)
+    getattr(checkpointed, "activation_checkpointing_enable",
+            getattr(checkpointed, "gradient_checkpointing_enable", None))()
+    assert "checkpointing" in lean.unsupported(checkpointed)
+
+    sliding = Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tokenizer), use_sliding_window=True,
+                                           sliding_window=16, max_window_layers=0, **SHAPE))
+    assert "sliding" in lean.unsupported(sliding)
+
+
+def test_accelerates_mixed_precision_wrapper_keeps_the_lean_path(tiny):
+    from labkit.config import TrainConfig
+    from labkit.trainer import _accelerator
+
+    model, _ = tiny
+    accelerator = _accelerator(TrainConfig(precision="bf16", device="cpu"))
+    wrapped = accelerator.prepare(copy.deepcopy(model))
+    assert "forward" in wrapped.__dict__  # the autocast wrapper
+    assert lean.unsupported(wrapped) is None
+
+
+def test_sample_draws_tokens_with_their_softmax_probabilities():
+    logits = torch.tensor([[0.0, 1.0, 2.0, float("-inf")], [3.0, 0.0, 0.0, 0.0]])
+    probs = logits.softmax(-1)
+    generator = torch.Generator().manual_seed(0)
+    draws = torch.stack([sample(logits, generator) for _ in range(20000)])  # (20000, 2)
+    for row in range(2):
+        freq = torch.bincount(draws[:, row], minlength=4).float() / len(draws)
+        # 4 standard errors of a frequency of 20000 draws is at most 0.0142
+        assert (freq - probs[row]).abs().max() < 0.0142, (row, freq, probs[row])
+    assert not (draws[:, 0] == 3).any()  # a -inf logit is never drawn
+
+
+# --- the fast paths' automatic choices ------------------------------------------------------
+
+def _prompt_passes(model, run):
+    seen = []
+    hook = model.model.register_forward_hook(lambda m, args, kwargs, out: seen.append(
+        tuple(kwargs["input_ids"].shape)), with_kwargs=True)  # a hook: the model's forward
+    try:
+        with torch.no_grad():
+            run()
+    finally:
+        hook.remove()
+    return seen
+
+
+def test_auto_sharing_runs_long_prompts_once_and_short_ones_with_their_rows(tiny, monkeypatch):
+    import labkit.scoring as scoring
+
+    model, tokenizer = tiny
+    batch = _batch(model, tokenizer, group_size=4)  # 4 prompts x 4 rows, P of a few tokens
+    P, T = batch.prompt_ids.shape[1], batch.completion_ids.shape[1]
+    saved = (16 - 4) * P
+    assert saved < scoring.SHARE_MIN_POSITIONS
+    short = _prompt_passes(model, lambda: token_logprobs(model, batch))
+    assert short == [(16, P + T)]  # one pass: the prompt's extra call would not pay
+    monkeypatch.setattr(scoring, "SHARE_MIN_POSITIONS", saved)
+    long = _prompt_passes(model, lambda: token_logprobs(model, batch))
+    assert long == [(4, P), (16, T - 1)]
+
+
+def test_small_models_decode_in_fp32_under_cpu_autocast(tiny, monkeypatch):
+    import labkit.rollout as module
+
+    model, _ = tiny
+    cpu = torch.device("cpu")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert module._compute_dtype(cpu, model) == torch.float32  # 0.4 M parameters
+        monkeypatch.setattr(module, "CPU_LOW_PRECISION_MIN_PARAMS", 1000)
+        assert module._compute_dtype(cpu, model) == torch.bfloat16
+    assert module._compute_dtype(cpu, model) == torch.float32  # no autocast: the model's
+
+
+def test_the_optimizer_is_fused_and_steps_like_plain_adamw():
+    from labkit.trainer import _adamw
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    twin, start = copy.deepcopy(net), copy.deepcopy(net)
+    fused = _adamw(net.parameters(), 1e-2, 0.1)
+    plain = torch.optim.AdamW(twin.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+    assert fused.param_groups[0]["fused"]
+    for _ in range(10):
+        x = torch.randn(8, 16)
+        for module, opt in ((net, fused), (twin, plain)):
+            module(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    for a, b in zip(net.parameters(), twin.parameters()):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    moved = max((a - b).abs().max().item() for a, b in zip(net.parameters(), start.parameters()))
+    assert moved > 1e-2  # the comparison is between two optimizers that did step
