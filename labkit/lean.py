@@ -9,8 +9,8 @@ plain torch operations:
 * `backbone(...)` / `lm_forward(...)`: a teacher-forced pass with autograd, with the contract
   of the HF forward that `labkit.scoring` uses (ids, mask, positions, an optional KV cache of
   earlier positions, the last `keep` outputs). Gradients reach the HF parameters directly.
-  q, k, v and gate, up run as one product each; a frozen model (the reference) keeps them
-  stacked and cast between calls.
+  A frozen model (the reference) runs q, k, v and gate, up as one product each, its weights
+  stacked and cast once and kept between calls.
 * `Decoder`: the rollout's prefill and decode steps. The weights are packed once per rollout
   (q, k, v as one matrix with the attention scale folded into q, gate and up as one, each
   RMSNorm's weight folded into the product after it, cast to the dtype the caller picks),
@@ -96,6 +96,11 @@ def _eps(norm) -> float:
     return float(norm.variance_epsilon)
 
 
+def _w32(norm) -> Tensor:
+    """A norm's weight as fp32 (the residual stream's dtype), whatever the model is held in."""
+    return norm.weight if norm.weight.dtype == torch.float32 else norm.weight.float()
+
+
 def _rope_tables(base, positions: Tensor, dtype) -> tuple[Tensor, Tensor]:
     """cos and a sign-folded sin (..., D) for `positions`, from the model's rotary module.
 
@@ -142,35 +147,55 @@ def _compute_dtype(model) -> torch.dtype:
     return next(model.parameters()).dtype
 
 
-def _stacked_weights(model, dtype) -> list[tuple]:
-    """Per layer (W_qkv, b_qkv, W_gu, b_gu, W_o, b_o, W_down, b_down), q, k, v and gate, up
-    stacked along their outputs so each is one product. A trainable model stacks its
-    parameters on every call (the gradient flows back through the stacking); a frozen one
-    (the reference) keeps them stacked and cast to `dtype` until a parameter changes in place
-    (its version counter moves), so autocast does not cast them again on every call."""
+def _layer_weights(model, dtype) -> list[tuple]:
+    """Per layer (W_qkv, b_qkv, W_gu, b_gu, W_o, b_o, W_down, b_down) for `backbone`.
+
+    A frozen model (the reference) not held in `dtype` gets q, k, v and gate, up stacked
+    along their outputs, so each is one product, and cast to `dtype`; they are kept between calls until a parameter
+    changes in place (its version counter moves). A trainable model gets its parameters as
+    they are (as does a model held in `dtype`), W_qkv and W_gu as (q, k, v) and (gate, up)
+    tuples: stacking them would copy the
+    weights on every call and keep the copies (and their casts) alive until the backward,
+    where autocast casts each parameter once per region and reuses the cast."""
     base = _base(model)
     params = list(model.parameters())
     frozen = not any(p.requires_grad for p in params)
+    if frozen and all(p.dtype == dtype for p in params):
+        frozen = False  # already in the compute dtype: no cast to keep, no copy to make
     if frozen:
         key = (dtype, tuple(p._version for p in params), tuple(p.data_ptr() for p in params))
         cached = model.__dict__.get("_lean_weights")
         if cached is not None and cached[0] == key:
             return cached[1]
-    cast = (lambda t: None if t is None else t.to(dtype)) if frozen else (lambda t: t)
     layers = []
     for layer in base.layers:
         attn, mlp = layer.self_attn, layer.mlp
         qkv, gu = (attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj)
-        layers.append((
-            cast(torch.cat([m.weight for m in qkv])),
-            None if attn.q_proj.bias is None else cast(torch.cat([m.bias for m in qkv])),
-            cast(torch.cat([m.weight for m in gu])),
-            None if mlp.gate_proj.bias is None else cast(torch.cat([m.bias for m in gu])),
-            cast(attn.o_proj.weight), cast(attn.o_proj.bias),
-            cast(mlp.down_proj.weight), cast(mlp.down_proj.bias)))
+        if frozen:
+            def stack(ms):
+                return torch.cat([m.weight for m in ms]).to(dtype), \
+                    None if ms[0].bias is None else torch.cat([m.bias for m in ms]).to(dtype)
+
+            def cast(t):
+                return None if t is None else t.to(dtype)
+            layers.append((*stack(qkv), *stack(gu), cast(attn.o_proj.weight),
+                           cast(attn.o_proj.bias), cast(mlp.down_proj.weight),
+                           cast(mlp.down_proj.bias)))
+        else:
+            layers.append((tuple(m.weight for m in qkv), tuple(m.bias for m in qkv),
+                           tuple(m.weight for m in gu), tuple(m.bias for m in gu),
+                           attn.o_proj.weight, attn.o_proj.bias, mlp.down_proj.weight,
+                           mlp.down_proj.bias))
     if frozen:
         model.__dict__["_lean_weights"] = (key, layers)
     return layers
+
+
+def _linear(x: Tensor, weight, bias) -> Tensor:
+    """x @ weight^T + bias, for one weight or a tuple of weights whose outputs are joined."""
+    if isinstance(weight, tuple):
+        return torch.cat([F.linear(x, w, b) for w, b in zip(weight, bias)], dim=-1)
+    return F.linear(x, weight, bias)
 
 
 def backbone(model, ids: Tensor, mask: Tensor, positions: Tensor,
@@ -188,7 +213,7 @@ def backbone(model, ids: Tensor, mask: Tensor, positions: Tensor,
     D = getattr(config, "head_dim", None) or config.hidden_size // H
     rep = H // Hkv
     dtype = _compute_dtype(model)
-    weights = _stacked_weights(model, dtype)
+    weights = _layer_weights(model, dtype)
     x = F.embedding(ids, base.embed_tokens.weight, base.embed_tokens.padding_idx).float()
     cos, sin = _rope_tables(base, positions, torch.float32)
     cos, sin = cos[:, :, None], sin[:, :, None]  # (n, L, 1, D)
@@ -199,14 +224,14 @@ def backbone(model, ids: Tensor, mask: Tensor, positions: Tensor,
         w_qkv, b_qkv, w_gu, b_gu, w_o, b_o, w_down, b_down = weights[i]
         attn = layer.self_attn
         ln = layer.input_layernorm
-        h = F.rms_norm(x, (x.shape[-1],), ln.weight, _eps(ln)).to(dtype)
-        qkv = F.linear(h, w_qkv, b_qkv)  # (n, L, (H + 2 Hkv) D)
+        h = F.rms_norm(x, (x.shape[-1],), _w32(ln), _eps(ln)).to(dtype)
+        qkv = _linear(h, w_qkv, b_qkv)  # (n, L, (H + 2 Hkv) D)
         v = qkv[..., (H + Hkv) * D:].view(n, L, Hkv, D).transpose(1, 2)
         if hasattr(attn, "q_norm"):
-            q = F.rms_norm(qkv[..., :H * D].view(n, L, H, D).float(), (D,), attn.q_norm.weight,
+            q = F.rms_norm(qkv[..., :H * D].view(n, L, H, D).float(), (D,), _w32(attn.q_norm),
                            _eps(attn.q_norm))
             k = F.rms_norm(qkv[..., H * D:(H + Hkv) * D].view(n, L, Hkv, D).float(), (D,),
-                           attn.k_norm.weight, _eps(attn.k_norm))
+                           _w32(attn.k_norm), _eps(attn.k_norm))
             q, k = _rope(q, cos, sin), _rope(k, cos, sin)
         else:
             qk = _rope(qkv[..., :(H + Hkv) * D].view(n, L, H + Hkv, D).float(), cos, sin)
@@ -225,13 +250,13 @@ def backbone(model, ids: Tensor, mask: Tensor, positions: Tensor,
         o = o.view(n, H, L, D).transpose(1, 2).reshape(n, L, H * D)
         x = x + F.linear(o, w_o, b_o)
         ln = layer.post_attention_layernorm
-        h = F.rms_norm(x, (x.shape[-1],), ln.weight, _eps(ln)).to(dtype)
-        gu = F.linear(h, w_gu, b_gu)
+        h = F.rms_norm(x, (x.shape[-1],), _w32(ln), _eps(ln)).to(dtype)
+        gu = _linear(h, w_gu, b_gu)
         inter = gu.shape[-1] // 2
         x = x + F.linear(F.silu(gu[..., :inter]) * gu[..., inter:], w_down, b_down)
     if keep is not None:
         x = x[:, -keep:]
-    return F.rms_norm(x, (x.shape[-1],), base.norm.weight, _eps(base.norm)), LeanCache(out_cache)
+    return F.rms_norm(x, (x.shape[-1],), _w32(base.norm), _eps(base.norm)), LeanCache(out_cache)
 
 
 def lm_forward(model, ids: Tensor, mask: Tensor, positions: Tensor,

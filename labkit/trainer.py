@@ -176,7 +176,10 @@ def build_learner(config: TrainConfig, accelerator):
     policy, tokenizer = load(config.model, device=accelerator.device, dtype="fp32")
     reference = None
     if config.beta > 0:
-        reference, _ = load(config.model, device=accelerator.device, dtype="fp32")
+        # frozen: under bf16 autocast its products run in bf16 anyway, so it is held in bf16
+        # (half the memory); only its norm weights round differently from an fp32 copy
+        held = "bf16" if accelerator.mixed_precision == "bf16" else "fp32"
+        reference, _ = load(config.model, device=accelerator.device, dtype=held)
         reference.requires_grad_(False)
     if accelerator.device.type == "cpu" and accelerator.mixed_precision == "bf16":
         for model in (policy, reference):

@@ -316,3 +316,22 @@ def test_the_optimizer_is_fused_and_steps_like_plain_adamw():
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
     moved = max((a - b).abs().max().item() for a, b in zip(net.parameters(), start.parameters()))
     assert moved > 1e-2  # the comparison is between two optimizers that did step
+
+
+def test_a_reference_held_in_bf16_matches_its_model_forward(tiny):
+    """Under bf16 autocast the reference is held in bf16 (trainer.build_learner); the lean
+    pass then uses its weights as they are and its norm weights as fp32."""
+    from labkit.config import TrainConfig
+    from labkit.trainer import _accelerator, build_learner
+
+    config = TrainConfig(precision="bf16", device="cpu", beta=0.04)
+    learner, tokenizer = build_learner(config, _accelerator(config))
+    reference = learner.reference
+    assert all(p.dtype == torch.bfloat16 and not p.requires_grad for p in reference.parameters())
+    batch = _batch(tiny[0], tokenizer)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        ours, _ = token_logprobs(reference, batch, lean=True)
+        theirs, _ = token_logprobs(reference, batch, lean=False)
+    mask = batch.completion_mask.bool()
+    assert (ours - theirs)[mask].abs().mean() < 0.02
+    assert "_lean_weights" not in reference.__dict__  # nothing cast, nothing kept
