@@ -108,12 +108,40 @@ class _FixedProblems:
 
 class _PromptTimer:
     """Seconds spent in forward passes over whole prompts (P tokens wide): the rollout's
-    prefill, the reference's and the update's prompt pass."""
+    prefill, the reference's and the update's prompt pass. labkit.lean's passes are timed by
+    wrapping its functions (a hook on the model would send it to its own forward instead);
+    with `lean` off, by hooks on the models' decoder stacks."""
 
-    def __init__(self, module, width: int):
+    def __init__(self, modules, width: int, lean: bool):
         self.seconds, self.width, self._start = 0.0, width, None
-        self._hooks = [module.register_forward_pre_hook(self._before, with_kwargs=True),
-                       module.register_forward_hook(self._after, with_kwargs=True)]
+        self._undo = []
+        if lean:
+            from labkit import lean as module
+
+            self._wrap(module, "backbone", lambda args, kwargs: args[1].shape[1] == width)
+            self._wrap(module.Decoder, "_prefill", lambda args, kwargs: True)
+        else:
+            for m in modules:
+                self._undo += [m.register_forward_pre_hook(self._before, with_kwargs=True).remove,
+                               m.register_forward_hook(self._after, with_kwargs=True).remove]
+
+    def _wrap(self, owner, name: str, is_prompt) -> None:
+        original = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            if not is_prompt(args, kwargs):
+                return original(*args, **kwargs)
+            start = time.perf_counter()
+            out = original(*args, **kwargs)
+            _sync_all()
+            self.seconds += time.perf_counter() - start
+            return out
+        setattr(owner, name, timed)
+        self._undo.append(lambda: setattr(owner, name, original))
+
+    def close(self) -> None:
+        for undo in self._undo:
+            undo()
 
     def _is_prompt(self, kwargs) -> bool:
         ids = kwargs.get("input_ids")
@@ -129,6 +157,13 @@ class _PromptTimer:
             _sync(module)
             self.seconds += time.perf_counter() - self._start
             self._start = None
+
+
+def _sync_all() -> None:
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
 
 
 def _sync(module) -> None:
@@ -156,22 +191,28 @@ def _labkit_step_times(config, learner, tokenizer, device, work: Work, steps: in
     source = _FixedProblems(replace(work, batch_prompts=config.batch_prompts))
     step_fn = grpo_step if config.algo == "grpo" else ppo_step
     policy = learner.accelerator.unwrap_model(learner.policy)
-    timers = [_PromptTimer(m.model, prompt_width) for m in (policy, learner.reference)
-              if m is not None] if prompt_width else []
+    timer = None
+    if prompt_width:
+        stacks = [m.model for m in (policy, learner.reference) if m is not None]
+        timer = _PromptTimer(stacks, prompt_width, lean=config.lean)
     out = {"step_s": [], "rollout_s": [], "update_s": [], "prompt_s": []}
-    for step in range(1, warmup + steps + 1):
-        for timer in timers:
-            timer.seconds = 0.0
-        _sync(policy)
-        start = time.perf_counter()
-        record = trainer._one_step(config, learner, tokenizer, source, step_fn, step, device)
-        _sync(policy)
-        elapsed = time.perf_counter() - start
-        if step > warmup:
-            out["step_s"].append(elapsed)
-            out["rollout_s"].append(record["perf/rollout_s"])
-            out["update_s"].append(record["perf/update_s"])
-            out["prompt_s"].append(sum(t.seconds for t in timers))
+    try:
+        for step in range(1, warmup + steps + 1):
+            if timer is not None:
+                timer.seconds = 0.0
+            _sync(policy)
+            start = time.perf_counter()
+            record = trainer._one_step(config, learner, tokenizer, source, step_fn, step, device)
+            _sync(policy)
+            elapsed = time.perf_counter() - start
+            if step > warmup:
+                out["step_s"].append(elapsed)
+                out["rollout_s"].append(record["perf/rollout_s"])
+                out["update_s"].append(record["perf/update_s"])
+                out["prompt_s"].append(timer.seconds if timer is not None else 0.0)
+    finally:
+        if timer is not None:
+            timer.close()
     return out
 
 

@@ -71,5 +71,33 @@ def test_the_command_runs_end_to_end_and_ends_with_its_json_line():
     assert summary["rollout_identical"] is True  # greedy: the same tokens as model.generate
     assert summary["precision"] == "bf16" and summary["gradient_checkpointing"] is False
     assert {p["axis"] for p in summary["scaling"]} == {"group_size", "max_new_tokens", "plain"}
+    # the prompt-wide passes (prefill, reference and update prompt passes) were timed
+    assert all(p["prompt_s"] > 0 for p in summary["scaling"] if p["axis"] != "plain")
     assert set(summary["targets_met"]) == set(bench.TARGETS)
     assert any(line.startswith("comparison") for line in lines)  # the table above the JSON
+
+
+def test_the_prompt_timer_times_the_lean_passes_without_turning_them_off(tiny):
+    """A forward hook would send the model to its own forward; the timer wraps labkit.lean's
+    functions instead, and only calls over the whole prompt width count."""
+    import torch
+
+    from labkit import lean
+    from labkit.rollout import rollout
+    from labkit.scoring import token_logprobs
+
+    model, tokenizer = tiny
+    original = lean.backbone
+    batch = rollout(model, tokenizer, ["1+2=", "37+85="], group_size=4, max_new_tokens=6, seed=0)
+    P = batch.prompt_ids.shape[1]
+    timer = bench._PromptTimer([model.model], P, lean=True)
+    try:
+        assert lean.unsupported(model) is None
+        with torch.no_grad():
+            token_logprobs(model, batch, share_prompt=False)  # (n, P + T) wide: not counted
+            assert timer.seconds == 0.0
+            token_logprobs(model, batch, share_prompt=True)  # its prompt pass is P wide
+        assert timer.seconds > 0.0
+    finally:
+        timer.close()
+    assert lean.backbone is original
