@@ -419,6 +419,8 @@ def check_args(args) -> None:
         raise ValueError(f"--steps must be >= 1, got {args.steps}")
     if args.warmup < 0:
         raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
+    if args.rounds < 1:
+        raise ValueError(f"--rounds must be >= 1, got {args.rounds}")
     if not args.beta > 0:
         raise ValueError(f"--beta must be > 0 (both sides then compute reference log-probs), "
                          f"got {args.beta}")
@@ -460,10 +462,16 @@ def run(args) -> dict:
         small = Work(str(small_path), tuple(long), tuple("0" for _ in long), max_new_tokens=64,
                      **common)
         for label, work in (("tiny", tiny), ("small", small)):
-            say(f"[bench] GRPO step, {label}: labkit")
-            results[f"labkit_{label}"] = _run_worker("labkit", work)
-            say(f"[bench] GRPO step, {label}: TRL")
-            results[f"trl_{label}"] = _run_worker("trl", work)
+            # labkit and TRL take turns, `rounds` times, and each side's steps are pooled:
+            # a slow spell of the shared machine then falls on both sides, not on one
+            for side in ("labkit", "trl"):
+                results[f"{side}_{label}"] = {}
+            for turn in range(args.rounds):
+                for side in ("labkit", "trl"):
+                    say(f"[bench] GRPO step, {label}: {'TRL' if side == 'trl' else side} "
+                        f"(round {turn + 1} of {args.rounds})")
+                    for key, values in _run_worker(side, work).items():
+                        results[f"{side}_{label}"].setdefault(key, []).extend(values)
         say("[bench] rollout vs model.generate")
         rollout_work = replace(small, batch_prompts=4, max_new_tokens=64,
                                steps=max(3, args.steps // 2), warmup=1)
@@ -503,6 +511,7 @@ def summarize(results: dict, *, params: int, device: str, precision: str, args) 
         "grpo_peak_mb": mem["grpo"], "ppo_peak_mb": mem["ppo"],
         "precision": precision, "gradient_checkpointing": False, "device": device,
         "small_params": params, "steps_timed": args.steps, "warmup": args.warmup,
+        "rounds": args.rounds,
         "beta": args.beta, "torch_threads": _threads(),
     }
     points = results.get("scaling")
@@ -554,7 +563,8 @@ def table(summary: dict) -> str:
         lines.append(f"{label:<44}{ours:>14}{peer:>26}{s[key]:>8.3f}  {op} {bound} {mark}")
     lines.append(f"precision {s['precision']} (both sides), gradient checkpointing off (both), "
                  f"device {s['device']}, {s['torch_threads']} torch threads, beta {s['beta']}, "
-                 f"median of {s['steps_timed']} steps after {s['warmup']} warm-up; "
+                 f"median of {s['rounds']} x {s['steps_timed']} steps, each run after "
+                 f"{s['warmup']} warm-up, labkit and TRL taking turns; "
                  f"small model {s['small_params'] / 1e6:.1f} M params; "
                  f"greedy tokens identical: {s['rollout_identical']}")
     if "scaling" in s:
@@ -581,6 +591,9 @@ def add_parser(sub) -> None:
                                        "TRL, model.generate and PPO")
     cmd.add_argument("--steps", type=int, default=10, help="timed steps per measurement")
     cmd.add_argument("--warmup", type=int, default=3, help="untimed steps first")
+    cmd.add_argument("--rounds", type=int, default=2,
+                     help="times labkit and TRL take turns at each step comparison (their "
+                          "timed steps pooled)")
     cmd.add_argument("--precision", choices=["bf16", "fp32"], default="bf16",
                      help="mixed precision of the update, the same on both sides")
     cmd.add_argument("--beta", type=float, default=0.04, help="KL coefficient (> 0 so both "

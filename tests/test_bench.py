@@ -49,6 +49,7 @@ def test_slope_is_the_least_squares_fit():
 @pytest.mark.parametrize("args, name", [
     (["--steps", "0"], "--steps"), (["--warmup", "-1"], "--warmup"),
     (["--beta", "0"], "--beta"), (["--device", "tpu"], "--device"),
+    (["--rounds", "0"], "--rounds"),
 ])
 def test_bad_options_are_one_clear_line(args, name):
     done = _cli(*args)
@@ -70,6 +71,7 @@ def test_the_command_runs_end_to_end_and_ends_with_its_json_line():
         summary["labkit_step_s_small"] / summary["trl_step_s_small"])
     assert summary["rollout_identical"] is True  # greedy: the same tokens as model.generate
     assert summary["precision"] == "bf16" and summary["gradient_checkpointing"] is False
+    assert summary["rounds"] == 2  # labkit and TRL took turns twice, their steps pooled
     assert {p["axis"] for p in summary["scaling"]} == {"group_size", "max_new_tokens", "plain"}
     # the prompt-wide passes (prefill, reference and update prompt passes) were timed
     assert all(p["prompt_s"] > 0 for p in summary["scaling"] if p["axis"] != "plain")
