@@ -192,7 +192,7 @@ def _layer_weights(model, dtype) -> list[tuple]:
 
 
 def _linear(x: Tensor, weight, bias) -> Tensor:
-    """x @ weight^T + bias, for one weight or a tuple of weights whose outputs are joined."""
+    """x @ weight.T + bias, for one weight or a tuple of weights whose outputs are joined."""
     if isinstance(weight, tuple):
         return torch.cat([F.linear(x, w, b) for w, b in zip(weight, bias)], dim=-1)
     return F.linear(x, weight, bias)
@@ -292,8 +292,8 @@ class Decoder:
         self.D = getattr(config, "head_dim", None) or config.hidden_size // self.H
         self.embed = base.embed_tokens.weight
         scale = self.D ** -0.5
-        # (weight^T, bias) with the preceding RMSNorm's weight folded into the rows of
-        # weight^T, so a norm is only x * rsqrt(mean(x^2) + eps)
+        # (weight, bias) with the preceding RMSNorm's weight folded into the weight's
+        # columns, so a norm is only x * rsqrt(mean(x^2) + eps)
         self.head = _pack([model.lm_head], dtype, base.norm.weight)
         self.final_eps = _eps(base.norm)
         self.layers = []
@@ -318,11 +318,11 @@ class Decoder:
         self.layers, self.kv, self.prompt_kv = [], [], []
 
     def _matmul(self, x: Tensor, packed) -> Tensor:
-        weight_t, bias = packed
+        weight, bias = packed
         x = x.to(self.dtype)
         lead = x.shape[:-1]
         x = x.reshape(-1, x.shape[-1])
-        out = torch.mm(x, weight_t) if bias is None else torch.addmm(bias, x, weight_t)
+        out = torch.mm(x, weight.t()) if bias is None else torch.addmm(bias, x, weight.t())
         return out.view(*lead, out.shape[-1])
 
     @staticmethod
@@ -438,16 +438,19 @@ class Decoder:
 
 
 def _pack(linears, dtype, norm_weight: Tensor | None = None, q_scale: float | None = None):
-    """(W^T, bias) of linears stacked along their outputs, cast to `dtype`: W^T (in, out) so a
-    product is one `mm`. `norm_weight` (in,) scales W^T's rows (the RMSNorm before it);
-    `q_scale` scales the first linear's outputs (attention's 1/sqrt(D) on q)."""
-    weights = [m.weight for m in linears]
-    biases = [m.bias for m in linears]
-    if q_scale is not None:
-        weights[0] = weights[0] * q_scale
-        biases[0] = None if biases[0] is None else biases[0] * q_scale
-    weight_t = torch.cat(weights).t()
-    if norm_weight is not None:
-        weight_t = weight_t * norm_weight[:, None]
+    """(W, bias) of linears stacked along their outputs, cast to `dtype`, for
+    `mm(x, W.t())`. `norm_weight` (in,) scales W's columns (the RMSNorm before it);
+    `q_scale` scales the first linear's outputs (attention's 1/sqrt(D) on q). Each matrix is
+    scaled in its own dtype and cast before the stacking, so the one full-size copy made
+    is already in `dtype`."""
+    weights, biases = [], []
+    for i, m in enumerate(linears):
+        w, b = m.weight, m.bias
+        if i == 0 and q_scale is not None:
+            w, b = w * q_scale, None if b is None else b * q_scale
+        if norm_weight is not None:
+            w = w * norm_weight
+        weights.append(w.to(dtype))
+        biases.append(b)
     bias = None if biases[0] is None else torch.cat(biases).to(dtype)
-    return weight_t.to(dtype).contiguous(), bias
+    return (weights[0] if len(weights) == 1 else torch.cat(weights)).contiguous(), bias
