@@ -123,7 +123,7 @@ def test_completion_that_is_eos_at_once(tiny):
     try:
         batch = rollout(model, tokenizer, PROMPTS[:2], group_size=2, greedy=True)
     finally:
-        head.forward = original
+        del head.forward  # back to the class's forward (no instance attribute left behind)
     assert batch.completion_ids.shape[1] == 1
     assert batch.completion_mask.tolist() == [[1]] * 4 and batch.finished.all()
     assert batch.texts == [""] * 4
