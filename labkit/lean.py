@@ -40,7 +40,7 @@ def _base(model):
 
 def unsupported(model, need_head: bool = True) -> str | None:
     """Why the lean paths cannot run `model` exactly as its HF forward would, or None."""
-    if isinstance(model, nn.parallel.DistributedDataParallel) or hasattr(model, "module"):
+    if hasattr(model, "module"):  # DistributedDataParallel and the like
         return "the model is wrapped for distributed training (its forward must run)"
     config = getattr(model, "config", None)
     kind = getattr(config, "model_type", None)
@@ -63,9 +63,7 @@ def unsupported(model, need_head: bool = True) -> str | None:
     if getattr(model, flag, False):
         return "gradient checkpointing is on (the HF forward implements it)"
     base = _base(model)
-    if need_head and not isinstance(getattr(model, "lm_head", None), nn.Linear):
-        return "no linear lm_head"
-    if type(getattr(model, "lm_head", None) or nn.Linear(1, 1)) is not nn.Linear:
+    if need_head and type(getattr(model, "lm_head", None)) is not nn.Linear:
         return "the lm_head is not a plain nn.Linear"
     for name in ("embed_tokens", "layers", "norm", "rotary_emb"):
         if not hasattr(base, name):
@@ -86,7 +84,7 @@ def unsupported(model, need_head: bool = True) -> str | None:
         linears += [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
         if any(type(m) is not nn.Linear for m in linears):
             return "a projection is not a plain nn.Linear (adapters or quantization)"
-        norms = [getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None)]
+        norms = [getattr(layer, n, None) for n in ("input_layernorm", "post_attention_layernorm")]
         if any(not hasattr(n, "variance_epsilon") for n in norms):
             return "a layer norm is not an RMSNorm"
     return None
@@ -140,7 +138,9 @@ def attention_bias(mask: Tensor, queries: int, dtype) -> Tensor:
     return bias.masked_fill_(~allowed[:, None], torch.finfo(dtype).min)
 
 
-def _compute_dtype(model) -> torch.dtype:
+def compute_dtype(model) -> torch.dtype:
+    """The dtype of products with the model's weights: autocast's when it is on for the
+    model's device, else the one the model is held in."""
     device = next(model.parameters()).device.type
     if torch.is_autocast_enabled(device):
         return torch.get_autocast_dtype(device)
@@ -172,15 +172,8 @@ def _layer_weights(model, dtype) -> list[tuple]:
         attn, mlp = layer.self_attn, layer.mlp
         qkv, gu = (attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj)
         if frozen:
-            def stack(ms):
-                return torch.cat([m.weight for m in ms]).to(dtype), \
-                    None if ms[0].bias is None else torch.cat([m.bias for m in ms]).to(dtype)
-
-            def cast(t):
-                return None if t is None else t.to(dtype)
-            layers.append((*stack(qkv), *stack(gu), cast(attn.o_proj.weight),
-                           cast(attn.o_proj.bias), cast(mlp.down_proj.weight),
-                           cast(mlp.down_proj.bias)))
+            layers.append((*_stacked(qkv, dtype), *_stacked(gu, dtype),
+                           *_stacked([attn.o_proj], dtype), *_stacked([mlp.down_proj], dtype)))
         else:
             layers.append((tuple(m.weight for m in qkv), tuple(m.bias for m in qkv),
                            tuple(m.weight for m in gu), tuple(m.bias for m in gu),
@@ -189,6 +182,15 @@ def _layer_weights(model, dtype) -> list[tuple]:
     if frozen:
         model.__dict__["_lean_weights"] = (key, layers)
     return layers
+
+
+def _stacked(linears, dtype) -> tuple[Tensor, Tensor | None]:
+    """(weight, bias) of linears joined along their outputs, cast to `dtype`."""
+    weight = torch.cat([m.weight for m in linears]) if len(linears) > 1 else linears[0].weight
+    if linears[0].bias is None:
+        return weight.to(dtype), None
+    bias = torch.cat([m.bias for m in linears]) if len(linears) > 1 else linears[0].bias
+    return weight.to(dtype), bias.to(dtype)
 
 
 def _linear(x: Tensor, weight, bias) -> Tensor:
@@ -212,7 +214,7 @@ def backbone(model, ids: Tensor, mask: Tensor, positions: Tensor,
     H, Hkv = config.num_attention_heads, config.num_key_value_heads
     D = getattr(config, "head_dim", None) or config.hidden_size // H
     rep = H // Hkv
-    dtype = _compute_dtype(model)
+    dtype = compute_dtype(model)
     weights = _layer_weights(model, dtype)
     x = F.embedding(ids, base.embed_tokens.weight, base.embed_tokens.padding_idx).float()
     cos, sin = _rope_tables(base, positions, torch.float32)
@@ -264,7 +266,8 @@ def lm_forward(model, ids: Tensor, mask: Tensor, positions: Tensor,
                ) -> tuple[Tensor, LeanCache]:
     """Logits (n, keep, V) of the last `keep` positions and the KV cache (see `backbone`)."""
     hidden, cache = backbone(model, ids, mask, positions, cache, keep)
-    return F.linear(hidden.to(_compute_dtype(model)), model.lm_head.weight, model.lm_head.bias), cache
+    head = model.lm_head
+    return F.linear(hidden.to(compute_dtype(model)), head.weight, head.bias), cache
 
 
 class Decoder:

@@ -210,7 +210,8 @@ def rollout(model, tokenizer, prompts: Sequence[str], *, group_size: int,
 
     `lean` decodes with `labkit.lean.Decoder` where the model allows it (Llama, Mistral,
     Qwen2, Qwen3), else with the model's own forward; both give the same tokens up to float
-    rounding. Under autocast the lean decoder computes in the autocast dtype. `shared_prefix`
+    rounding. Under autocast the lean decoder computes in the autocast dtype (in fp32 for a
+    small model on a CPU, `CPU_LOW_PRECISION_MIN_PARAMS`). `shared_prefix`
     (lean only) attends over each prompt's keys once per group rather than once per row; None
     chooses it when the prompt is long enough for that to pay (`SHARED_PREFIX_MIN_TOKENS`).
     """
@@ -291,13 +292,11 @@ benchmark model: 18 ms against 34 ms)."""
 def _compute_dtype(device: torch.device, model) -> torch.dtype:
     """The dtype of the rollout's matrix products: autocast's when it is on (except for a
     small model on a CPU, `CPU_LOW_PRECISION_MIN_PARAMS`), else the model's."""
-    dtype = next(model.parameters()).dtype
-    if not torch.is_autocast_enabled(device.type):
-        return dtype
-    if device.type == "cpu" and dtype == torch.float32 and \
+    held = next(model.parameters()).dtype
+    if device.type == "cpu" and held == torch.float32 and \
             sum(p.numel() for p in model.parameters()) < CPU_LOW_PRECISION_MIN_PARAMS:
         return torch.float32
-    return torch.get_autocast_dtype(device.type)
+    return _lean.compute_dtype(model)
 
 
 class _ModelDecoder:
