@@ -14,7 +14,8 @@ model load, its own allocator), one after another, never two at once:
 * Rollout vs `model.generate` on the prompts repeated G times: greedy, the same tokens
   required.
 * Memory of a GRPO step vs a PPO step (PPO also trains a critic): peak resident memory
-  growth of a fresh process on the CPU, `torch.cuda.max_memory_allocated` on CUDA.
+  growth of a fresh process on the CPU, `torch.cuda.max_memory_allocated` on CUDA. Both
+  sides run the same completions (`MEMORY_LR`).
 * Scaling of labkit's step with G and with the completion length, with fitted slopes, and
   the time spent running prompts, which stays flat in G.
 
@@ -23,7 +24,6 @@ The last line printed is one JSON object (keys in `main`'s docstring).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
@@ -42,6 +42,15 @@ SMALL = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
 TEST_SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=4)
 """`--scale test`: the same measurements on a toy model, to check the command quickly."""
+
+MEMORY_LR = 1e-9
+"""lr and critic_lr of the memory comparison. A step's memory depends on its shapes, not on
+what it learns; at a learning rate this small neither policy moves from where it starts, so
+with the same seeds GRPO and PPO sample the same completions at every step (the summary's
+`memory_same_completions` compares them token for token, and the target counts as missed
+when they differ). At a real learning rate the random *small* model's PPO policy drops to
+1-token completions after its first update, and the comparison would set GRPO's steady
+state against PPO's first step, before its optimizer states exist."""
 
 TARGETS = {"trl_step_ratio_tiny": ("<=", 0.25), "trl_step_ratio_small": ("<=", 0.5),
            "rollout_speedup_small": (">=", 1.5), "grpo_ppo_memory_ratio": ("<=", 0.75)}
@@ -173,10 +182,10 @@ def _sync(module) -> None:
         torch.cuda.synchronize()
 
 
-def _labkit_learner(work: Work, algo: str = "grpo"):
+def _labkit_learner(work: Work, algo: str = "grpo", **overrides):
     from labkit import trainer
 
-    config = _train_config(work, algo=algo)
+    config = _train_config(work, algo=algo, **overrides)
     accelerator = trainer._accelerator(config)
     learner, tokenizer = trainer.build_learner(config, accelerator)
     return config, learner, tokenizer, accelerator.device
@@ -195,7 +204,8 @@ def _labkit_step_times(config, learner, tokenizer, device, work: Work, steps: in
     if prompt_width:
         stacks = [m.model for m in (policy, learner.reference) if m is not None]
         timer = _PromptTimer(stacks, prompt_width, lean=config.lean)
-    out = {"step_s": [], "rollout_s": [], "update_s": [], "prompt_s": []}
+    out = {"step_s": [], "rollout_s": [], "update_s": [], "prompt_s": [], "tokens": [],
+           "completions": []}
     try:
         for step in range(1, warmup + steps + 1):
             if timer is not None:
@@ -210,10 +220,20 @@ def _labkit_step_times(config, learner, tokenizer, device, work: Work, steps: in
                 out["rollout_s"].append(record["perf/rollout_s"])
                 out["update_s"].append(record["perf/update_s"])
                 out["prompt_s"].append(timer.seconds if timer is not None else 0.0)
+                batch = record["_report"][2]
+                out["tokens"].append(int(batch.completion_mask.sum()))
+                out["completions"].append(_digest(batch.completion_ids))
     finally:
         if timer is not None:
             timer.close()
     return out
+
+
+def _digest(ids) -> str:
+    """A fingerprint of a step's completion ids: equal digests, the same completions."""
+    import hashlib
+
+    return hashlib.sha256(ids.cpu().numpy().tobytes()).hexdigest()[:16]
 
 
 def worker_labkit(work: Work) -> dict:
@@ -304,7 +324,8 @@ def worker_rollout(work: Work) -> dict:
 
 
 def worker_memory(work: Work, algo: str) -> dict:
-    """Peak memory growth of building the learner and running `work.steps` steps."""
+    """Peak memory growth of building the learner and running `work.steps` steps at
+    `MEMORY_LR`; each step's completion token count and fingerprint."""
     import torch
 
     cuda = work.device.startswith("cuda")
@@ -313,11 +334,13 @@ def worker_memory(work: Work, algo: str) -> dict:
         base = torch.cuda.memory_allocated()
     else:
         base = _rss_mb()
-    config, learner, tokenizer, device = _labkit_learner(work, algo)
-    _labkit_step_times(config, learner, tokenizer, device, work, work.steps, 0)
+    config, learner, tokenizer, device = _labkit_learner(work, algo, lr=MEMORY_LR,
+                                                         critic_lr=MEMORY_LR)
+    times = _labkit_step_times(config, learner, tokenizer, device, work, work.steps, 0)
     peak = torch.cuda.max_memory_allocated() / 2**20 - base / 2**20 if cuda \
         else _peak_rss_mb() - base
-    return {"peak_growth_mb": peak, "algo": algo}
+    return {"peak_growth_mb": peak, "algo": algo, "lr": config.lr, "tokens": times["tokens"],
+            "completions": times["completions"]}
 
 
 def worker_scaling(work: Work, groups: list[int], lengths: list[int], prompt_width: int) -> dict:
@@ -333,7 +356,8 @@ def worker_scaling(work: Work, groups: list[int], lengths: list[int], prompt_wid
         times = _labkit_step_times(cfg, learner, tokenizer, device, work, work.steps,
                                    work.warmup, prompt_width)
         out.append({"axis": axis, "value": value,
-                    **{k: statistics.median(v) for k, v in times.items()}})
+                    **{k: statistics.median(times[k])
+                       for k in ("step_s", "rollout_s", "update_s", "prompt_s")}})
     return {"points": out}
 
 
@@ -509,6 +533,10 @@ def summarize(results: dict, *, params: int, device: str, precision: str, args) 
         "rollout_tokens_per_s_generate": tok_s["generate"],
         "rollout_identical": roll["identical"],
         "grpo_peak_mb": mem["grpo"], "ppo_peak_mb": mem["ppo"],
+        "memory_same_completions": results["memory_grpo"]["completions"] ==
+        results["memory_ppo"]["completions"],
+        "memory_tokens_per_step": results["memory_grpo"]["tokens"],
+        "memory_lr": results["memory_grpo"]["lr"],
         "precision": precision, "gradient_checkpointing": False, "device": device,
         "small_params": params, "steps_timed": args.steps, "warmup": args.warmup,
         "rounds": args.rounds,
@@ -533,6 +561,8 @@ def summarize(results: dict, *, params: int, device: str, precision: str, args) 
                 shared[0]["update_s"]
     summary["targets_met"] = {key: (summary[key] <= bound if op == "<=" else summary[key] >= bound)
                               for key, (op, bound) in TARGETS.items()}
+    # unequal work is no comparison: the memory target needs the same completions both sides
+    summary["targets_met"]["grpo_ppo_memory_ratio"] &= summary["memory_same_completions"]
     return summary
 
 
@@ -566,7 +596,8 @@ def table(summary: dict) -> str:
                  f"median of {s['rounds']} x {s['steps_timed']} steps, each run after "
                  f"{s['warmup']} warm-up, labkit and TRL taking turns; "
                  f"small model {s['small_params'] / 1e6:.1f} M params; "
-                 f"greedy tokens identical: {s['rollout_identical']}")
+                 f"greedy tokens identical: {s['rollout_identical']}; memory: both at lr "
+                 f"{s['memory_lr']:g}, same completions: {s['memory_same_completions']}")
     if "scaling" in s:
         lines += ["", f"{'scaling (small)':<28}{'step s':>9}{'rollout s':>11}{'update s':>10}"
                       f"{'prompt s':>10}", "-" * 68]

@@ -70,6 +70,7 @@ def test_the_command_runs_end_to_end_and_ends_with_its_json_line():
     assert summary["trl_step_ratio_small"] == pytest.approx(
         summary["labkit_step_s_small"] / summary["trl_step_s_small"])
     assert summary["rollout_identical"] is True  # greedy: the same tokens as model.generate
+    assert summary["memory_same_completions"] is True and summary["memory_lr"] == bench.MEMORY_LR
     assert summary["precision"] == "bf16" and summary["gradient_checkpointing"] is False
     assert summary["rounds"] == 2  # labkit and TRL took turns twice, their steps pooled
     assert {p["axis"] for p in summary["scaling"]} == {"group_size", "max_new_tokens", "plain"}
@@ -103,3 +104,51 @@ def test_the_prompt_timer_times_the_lean_passes_without_turning_them_off(tiny):
     finally:
         timer.close()
     assert lean.backbone is original
+
+
+def _memory_work():
+    from labkit.models import EMBEDDED_PATH
+
+    prompts, answers = bench.tiny_prompts(8)
+    return bench.Work(str(EMBEDDED_PATH), tuple(prompts), tuple(answers), max_new_tokens=16,
+                      steps=3, warmup=0)
+
+
+def test_the_memory_comparison_runs_the_same_completions_on_both_sides():
+    """Memory depends on shapes: both sides run at MEMORY_LR, where neither policy moves, so
+    GRPO and PPO sample the same completions at every step (at a real lr they drift apart
+    and PPO's shorten)."""
+    work = _memory_work()
+    grpo, ppo = (bench.worker_memory(work, algo) for algo in ("grpo", "ppo"))
+    assert grpo["lr"] == ppo["lr"] == bench.MEMORY_LR == 1e-9
+    assert len(grpo["tokens"]) == 3 and all(t > 0 for t in grpo["tokens"])
+    assert grpo["completions"] == ppo["completions"]  # token for token
+    assert grpo["tokens"] == ppo["tokens"]
+    assert grpo["peak_growth_mb"] > 0 and ppo["peak_growth_mb"] > 0
+
+
+def test_at_a_real_learning_rate_the_two_sides_completions_part(monkeypatch):
+    """The control: the fingerprints do tell completions apart once the policies move."""
+    monkeypatch.setattr(bench, "MEMORY_LR", 1e-2)
+    grpo, ppo = (bench.worker_memory(_memory_work(), algo) for algo in ("grpo", "ppo"))
+    assert grpo["completions"][0] == ppo["completions"][0]  # the same start
+    assert grpo["completions"][1:] != ppo["completions"][1:]
+
+
+@pytest.mark.parametrize("ppo_completions, met", [(["a1", "b2"], True), (["a1", "c3"], False)])
+def test_the_memory_target_needs_the_same_completions_on_both_sides(ppo_completions, met):
+    from types import SimpleNamespace
+
+    steps = {"step_s": [1.0], "rollout_s": [0.5], "update_s": [0.5]}
+    results = {f"{side}_{label}": steps for side in ("labkit", "trl") for label in ("tiny", "small")}
+    results["rollout"] = {"tokens": 100, "seconds": {"labkit": [1.0], "generate": [2.0]},
+                          "identical": True}
+    results["memory_grpo"] = {"peak_growth_mb": 500.0, "completions": ["a1", "b2"],
+                              "tokens": [10, 12], "lr": bench.MEMORY_LR}
+    results["memory_ppo"] = {"peak_growth_mb": 1000.0, "completions": ppo_completions,
+                             "tokens": [10, 12], "lr": bench.MEMORY_LR}
+    args = SimpleNamespace(steps=1, warmup=0, rounds=1, beta=0.04)
+    summary = bench.summarize(results, params=1, device="cpu", precision="bf16", args=args)
+    assert summary["grpo_ppo_memory_ratio"] == 0.5
+    assert summary["memory_same_completions"] is met
+    assert summary["targets_met"]["grpo_ppo_memory_ratio"] is met
