@@ -142,7 +142,7 @@ class _PromptTimer:
                 return original(*args, **kwargs)
             start = time.perf_counter()
             out = original(*args, **kwargs)
-            _sync_all()
+            _sync()
             self.seconds += time.perf_counter() - start
             return out
         setattr(owner, name, timed)
@@ -158,27 +158,21 @@ class _PromptTimer:
 
     def _before(self, module, args, kwargs):
         if self._is_prompt(kwargs):
-            _sync(module)
+            _sync()
             self._start = time.perf_counter()
 
     def _after(self, module, args, kwargs, out):
         if self._start is not None and self._is_prompt(kwargs):
-            _sync(module)
+            _sync()
             self.seconds += time.perf_counter() - self._start
             self._start = None
 
 
-def _sync_all() -> None:
+def _sync() -> None:
+    """Wait for queued CUDA work, so a timer reads the work done (a no-op without CUDA)."""
     import torch
 
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
-
-
-def _sync(module) -> None:
-    import torch
-
-    if next(module.parameters()).is_cuda:
         torch.cuda.synchronize()
 
 
@@ -189,6 +183,10 @@ def _labkit_learner(work: Work, algo: str = "grpo", **overrides):
     accelerator = trainer._accelerator(config)
     learner, tokenizer = trainer.build_learner(config, accelerator)
     return config, learner, tokenizer, accelerator.device
+
+
+_TIMES = ("step_s", "rollout_s", "update_s", "prompt_s")
+"""Per-step seconds `_labkit_step_times` records (besides token counts and fingerprints)."""
 
 
 def _labkit_step_times(config, learner, tokenizer, device, work: Work, steps: int, warmup: int,
@@ -204,16 +202,15 @@ def _labkit_step_times(config, learner, tokenizer, device, work: Work, steps: in
     if prompt_width:
         stacks = [m.model for m in (policy, learner.reference) if m is not None]
         timer = _PromptTimer(stacks, prompt_width, lean=config.lean)
-    out = {"step_s": [], "rollout_s": [], "update_s": [], "prompt_s": [], "tokens": [],
-           "completions": []}
+    out = {key: [] for key in (*_TIMES, "tokens", "completions")}
     try:
         for step in range(1, warmup + steps + 1):
             if timer is not None:
                 timer.seconds = 0.0
-            _sync(policy)
+            _sync()
             start = time.perf_counter()
             record = trainer._one_step(config, learner, tokenizer, source, step_fn, step, device)
-            _sync(policy)
+            _sync()
             elapsed = time.perf_counter() - start
             if step > warmup:
                 out["step_s"].append(elapsed)
@@ -311,10 +308,10 @@ def worker_rollout(work: Work) -> dict:
     results = {}
     for rep in range(work.warmup + work.steps):
         for name, fn in (("labkit", ours), ("generate", peer)):
-            _sync(model)
+            _sync()
             start = time.perf_counter()
             results[name] = fn()
-            _sync(model)
+            _sync()
             if rep >= work.warmup:
                 seconds[name].append(time.perf_counter() - start)
     ours = [row[row >= 0].tolist() for row in results["labkit"]]  # each up to its EOS
@@ -356,8 +353,7 @@ def worker_scaling(work: Work, groups: list[int], lengths: list[int], prompt_wid
         times = _labkit_step_times(cfg, learner, tokenizer, device, work, work.steps,
                                    work.warmup, prompt_width)
         out.append({"axis": axis, "value": value,
-                    **{k: statistics.median(times[k])
-                       for k in ("step_s", "rollout_s", "update_s", "prompt_s")}})
+                    **{k: statistics.median(times[k]) for k in _TIMES}})
     return {"points": out}
 
 
