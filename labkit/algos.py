@@ -168,14 +168,14 @@ def update(config: TrainConfig, learner: Learner, batch: RolloutBatch, rows: Ten
     return {key: value / max(steps, 1) for key, value in sums.items()}
 
 
-@torch.no_grad()
 def _reference_logprobs(config: TrainConfig, learner: Learner, batch: RolloutBatch):
     if learner.reference is None:
         return None
-    with learner.accelerator.autocast():
+    # inference mode: no autograd bookkeeping on the frozen model's operations
+    with torch.inference_mode(), learner.accelerator.autocast():
         logp, _ = token_logprobs(learner.reference, batch, temperature=config.temperature,
                                  share_prompt=config.share_prompt, lean=config.lean)
-    return logp
+    return logp.clone()  # an ordinary tensor, which the loss may keep for its backward
 
 
 def grpo_step(config: TrainConfig, learner: Learner, batch: RolloutBatch, rewards: Tensor,
@@ -205,9 +205,9 @@ def ppo_step(config: TrainConfig, learner: Learner, batch: RolloutBatch, rewards
     """
     mask = batch.completion_mask
     ref_logp = _reference_logprobs(config, learner, batch)
-    with torch.no_grad(), learner.accelerator.autocast():
-        old_values = token_values(learner.critic, batch,
-                                  share_prompt=config.share_prompt).float()  # (N, T)
+    with torch.inference_mode(), learner.accelerator.autocast():
+        old_values = token_values(learner.critic, batch, share_prompt=config.share_prompt)
+    old_values = old_values.float().clone()  # (N, T), an ordinary tensor
     token_rewards = losses.ppo_token_rewards(
         rewards, mask, logp=batch.old_logprobs if ref_logp is not None else None,
         ref_logp=ref_logp, beta=config.beta if ref_logp is not None else 0.0,

@@ -323,10 +323,19 @@ class Decoder:
     def _matmul(self, x: Tensor, packed) -> Tensor:
         weight, bias = packed
         x = x.to(self.dtype)
+        if x.dim() == 2:  # a decode step's rows
+            return torch.mm(x, weight.t()) if bias is None else torch.addmm(bias, x, weight.t())
         lead = x.shape[:-1]
         x = x.reshape(-1, x.shape[-1])
         out = torch.mm(x, weight.t()) if bias is None else torch.addmm(bias, x, weight.t())
         return out.view(*lead, out.shape[-1])
+
+    def _residual(self, x: Tensor, inp: Tensor, packed) -> Tensor:
+        """x + inp @ W.t() (+ bias): one fused product on a decode step's fp32 rows."""
+        weight, bias = packed
+        if x.dim() == 2 and bias is None and weight.dtype == x.dtype == inp.dtype:
+            return torch.addmm(x, inp, weight.t())
+        return x + self._matmul(inp, packed)
 
     @staticmethod
     def _normed(x: Tensor, eps: float) -> Tensor:
@@ -348,11 +357,11 @@ class Decoder:
 
     def _mlp(self, layer, x: Tensor, o: Tensor) -> Tensor:
         """Residual after attention output `o` (.., H*D), then the MLP's residual."""
-        x = x + self._matmul(o, layer["o"])
+        x = self._residual(x, o, layer["o"])
         gu = self._matmul(self._normed(x, layer["eps2"]), layer["gu"])
         inter = gu.shape[-1] // 2
         act = F.silu(gu[..., :inter]).mul_(gu[..., inter:])
-        return x.add_(self._matmul(act, layer["down"]))
+        return self._residual(x, act, layer["down"])
 
     def _logits(self, x: Tensor) -> Tensor:
         return self._matmul(self._normed(x, self.final_eps), self.head).float()
@@ -398,7 +407,9 @@ class Decoder:
         if not self.shared_prefix:
             self.bias = torch.zeros(N, 1, 1, S, dtype=f32, device=ids.device)
             self.bias[..., :P] = self.prompt_bias.repeat_interleave(G, dim=0)
-        self.next_pos = mask.sum(-1).repeat_interleave(G)  # (N,)
+        # each row's rotary tables for its T decode positions, gathered once: (N, T, 1, D)
+        steps = mask.sum(-1).repeat_interleave(G)[:, None] + torch.arange(T, device=ids.device)
+        self.step_cos, self.step_sin = self.cos[steps][:, :, None], self.sin[steps][:, :, None]
         return self._logits(x[:, -1]).repeat_interleave(G, dim=0)
 
     @torch.no_grad()
@@ -411,7 +422,7 @@ class Decoder:
         N, t = tokens.shape[0], self.t
         H, Hkv, D, P, G = self.H, self.Hkv, self.D, self.P, self.G
         rep, B = H // Hkv, N // G
-        cos, sin = self.cos[self.next_pos][:, None], self.sin[self.next_pos][:, None]  # (N, 1, D)
+        cos, sin = self.step_cos[:, t], self.step_sin[:, t]  # (N, 1, D)
         x = F.embedding(tokens, self.embed).float()  # (N, hidden)
         col = t if self.shared_prefix else P + t
         for i, (layer, (keys, values)) in enumerate(zip(self.layers, self.kv)):
@@ -436,7 +447,7 @@ class Decoder:
                     .reshape(N, Hkv, rep, D)
                 o = o.add_(torch.matmul(probs[..., P:], values[:, :, :col + 1]))
             x = self._mlp(layer, x, o.reshape(N, H * D))
-        self.t, self.next_pos = t + 1, self.next_pos + 1
+        self.t = t + 1
         return self._logits(x)
 
 

@@ -231,43 +231,45 @@ def rollout(model, tokenizer, prompts: Sequence[str], *, group_size: int,
                                checked=True)
     else:
         engine = _ModelDecoder(model)
+    steps_logps, steps_tokens = [], []
     try:
-        logits = engine.prefill(prompt_ids, prompt_mask, G, T)  # (N, V)
+        # the model runs in inference mode: no autograd bookkeeping on a decode step's
+        # ~100 small operations; what leaves this function is made of ordinary tensors
+        with torch.inference_mode():
+            logits = engine.prefill(prompt_ids, prompt_mask, G, T)  # (N, V)
         N = logits.shape[0]
-        tokens = torch.full((N, T), pad, dtype=torch.long, device=device)
-        logps = torch.zeros(N, T, dtype=torch.float32, device=device)
-        alive = torch.ones(N, dtype=torch.bool, device=device)
-        real = torch.zeros(N, T, dtype=torch.bool, device=device)
         stop_ids = torch.tensor(stop, device=device)
-        steps = 0
+        done = torch.zeros(N, dtype=torch.bool, device=device)
         for step in range(T):
-            scaled = logits if greedy else logits / temperature
+            scaled = logits if greedy or temperature == 1.0 else logits / temperature
             if greedy:
-                token = logits.argmax(-1)
+                token = scaled.argmax(-1)
             else:
                 token = sample(filter_logits(scaled, top_k, top_p), generator)
-            token = token.masked_fill_(~alive, pad)
-            logps[:, step] = scaled.log_softmax(-1).gather(-1, token[:, None]).squeeze(-1) \
-                .masked_fill_(~alive, 0.0)
-            tokens[:, step] = token
-            real[:, step] = alive
-            alive &= (token != stop_ids[0]) if len(stop) == 1 else ~torch.isin(token, stop_ids)
-            steps = step + 1
-            if step == T - 1 or not alive.any():
+            # a row that has ended keeps decoding (its tokens are masked below): rows are
+            # independent, so this changes no other row and saves maskings per step
+            steps_tokens.append(token)
+            steps_logps.append(scaled.log_softmax(-1).gather(-1, token[:, None]))
+            done |= (token == stop_ids[0]) if len(stop) == 1 else torch.isin(token, stop_ids)
+            if step == T - 1 or bool(done.all()):
                 break
-            logits = engine.step(token)
+            with torch.inference_mode():
+                logits = engine.step(token)
     finally:
         engine.close()
-    completion_ids = tokens[:, :steps].contiguous()  # (N, T)
-    completion_mask = real[:, :steps].long()  # (N, T)
+    raw = torch.stack(steps_tokens, dim=1)  # (N, T)
+    is_stop = (raw == stop_ids[0]) if len(stop) == 1 else torch.isin(raw, stop_ids)
+    # real tokens: up to and including each row's first stop token
+    real = (is_stop.cumsum(-1) - is_stop.long()) == 0
+    completion_ids = raw.masked_fill(~real, pad)
+    completion_mask = real.long()  # (N, T)
+    old_logprobs = torch.cat(steps_logps, dim=1).masked_fill(~real, 0.0)  # (N, T) fp32
     # a row finished when its last real token is a stop token (else it ran out of budget)
-    last = completion_ids.gather(1, (completion_mask.sum(-1, keepdim=True) - 1).clamp(min=0))
-    finished = torch.isin(last.squeeze(1), stop_ids)
-    texts = tokenizer.batch_decode(completion_ids.masked_fill(completion_mask == 0, pad),
-                                   skip_special_tokens=True)
+    finished = is_stop.any(-1)
+    texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
     return RolloutBatch(
         prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids,
-        completion_mask=completion_mask, old_logprobs=logps[:, :steps].contiguous(),
+        completion_mask=completion_mask, old_logprobs=old_logprobs,
         texts=texts, group_index=torch.arange(len(prompts), device=device).repeat_interleave(G),
         finished=finished, group_size=G)
 

@@ -108,9 +108,24 @@ def test_masks_eos_texts_and_groups(random_qwen):
         else:
             assert length == 6 and eos not in ids
         assert all(i == tokenizer.pad_token_id for i in ids[length:])
+        assert batch.old_logprobs[n, length:].eq(0).all()  # decoded on, masked out
+        assert batch.old_logprobs[n, :length].lt(0).all()
         assert batch.texts[n] == tokenizer.decode(ids[:length], skip_special_tokens=True)
     assert torch.equal(batch.truncated, ~batch.finished)
     assert batch.lengths.tolist() == batch.completion_mask.sum(-1).tolist()
+
+
+def test_outputs_are_ordinary_tensors_that_autograd_may_keep(tiny):
+    """The model decodes in inference mode; a rollout's tensors must still serve an update,
+    whose backward keeps some of them (inference tensors cannot be kept)."""
+    model, tokenizer = tiny
+    batch = rollout(model, tokenizer, PROMPTS, group_size=2, max_new_tokens=4, seed=0)
+    for t in (batch.prompt_ids, batch.prompt_mask, batch.completion_ids,
+              batch.completion_mask, batch.old_logprobs, batch.finished, batch.group_index):
+        assert not t.is_inference()
+    weight = torch.ones_like(batch.old_logprobs, requires_grad=True)
+    (weight * batch.old_logprobs).sum().backward()  # the product keeps old_logprobs
+    assert torch.equal(weight.grad, batch.old_logprobs)
 
 
 def test_completion_that_is_eos_at_once(tiny):
