@@ -323,12 +323,9 @@ class Decoder:
     def _matmul(self, x: Tensor, packed) -> Tensor:
         weight, bias = packed
         x = x.to(self.dtype)
-        if x.dim() == 2:  # a decode step's rows
-            return torch.mm(x, weight.t()) if bias is None else torch.addmm(bias, x, weight.t())
-        lead = x.shape[:-1]
-        x = x.reshape(-1, x.shape[-1])
-        out = torch.mm(x, weight.t()) if bias is None else torch.addmm(bias, x, weight.t())
-        return out.view(*lead, out.shape[-1])
+        rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # a decode step's are 2-D
+        out = torch.mm(rows, weight.t()) if bias is None else torch.addmm(bias, rows, weight.t())
+        return out if x.dim() == 2 else out.view(*x.shape[:-1], out.shape[-1])
 
     def _residual(self, x: Tensor, inp: Tensor, packed) -> Tensor:
         """x + inp @ W.t() (+ bias): one fused product on a decode step's fp32 rows."""
@@ -380,8 +377,8 @@ class Decoder:
         f32 = torch.float32
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         cos_all, sin_all = _rope_tables(self.base, torch.arange(S + 1, device=ids.device)[None], f32)
-        self.cos, self.sin = cos_all[0], sin_all[0]  # (S + 1, D) by position
-        cos, sin = self.cos[positions][:, :, None], self.sin[positions][:, :, None]  # (B, P, 1, D)
+        cos_all, sin_all = cos_all[0], sin_all[0]  # (S + 1, D) by position
+        cos, sin = cos_all[positions][:, :, None], sin_all[positions][:, :, None]  # (B, P, 1, D)
         bias = attention_bias(mask, P, f32)  # (B, 1, P, P)
         x = F.embedding(ids, self.embed).float()  # (B, P, hidden)
         self.prompt_kv, self.kv = [], []
@@ -409,7 +406,7 @@ class Decoder:
             self.bias[..., :P] = self.prompt_bias.repeat_interleave(G, dim=0)
         # each row's rotary tables for its T decode positions, gathered once: (N, T, 1, D)
         steps = mask.sum(-1).repeat_interleave(G)[:, None] + torch.arange(T, device=ids.device)
-        self.step_cos, self.step_sin = self.cos[steps][:, :, None], self.sin[steps][:, :, None]
+        self.step_cos, self.step_sin = cos_all[steps][:, :, None], sin_all[steps][:, :, None]
         return self._logits(x[:, -1]).repeat_interleave(G, dim=0)
 
     @torch.no_grad()

@@ -231,15 +231,18 @@ def rollout(model, tokenizer, prompts: Sequence[str], *, group_size: int,
                                checked=True)
     else:
         engine = _ModelDecoder(model)
+    stop_ids = torch.tensor(stop, device=device)
+
+    def is_stop(ids: Tensor) -> Tensor:
+        return (ids == stop_ids[0]) if len(stop) == 1 else torch.isin(ids, stop_ids)
+
     steps_logps, steps_tokens = [], []
     try:
         # the model runs in inference mode: no autograd bookkeeping on a decode step's
         # ~100 small operations; what leaves this function is made of ordinary tensors
         with torch.inference_mode():
             logits = engine.prefill(prompt_ids, prompt_mask, G, T)  # (N, V)
-        N = logits.shape[0]
-        stop_ids = torch.tensor(stop, device=device)
-        done = torch.zeros(N, dtype=torch.bool, device=device)
+        done = torch.zeros(logits.shape[0], dtype=torch.bool, device=device)
         for step in range(T):
             scaled = logits if greedy or temperature == 1.0 else logits / temperature
             if greedy:
@@ -250,7 +253,7 @@ def rollout(model, tokenizer, prompts: Sequence[str], *, group_size: int,
             # independent, so this changes no other row and saves maskings per step
             steps_tokens.append(token)
             steps_logps.append(scaled.log_softmax(-1).gather(-1, token[:, None]))
-            done |= (token == stop_ids[0]) if len(stop) == 1 else torch.isin(token, stop_ids)
+            done |= is_stop(token)
             if step == T - 1 or bool(done.all()):
                 break
             with torch.inference_mode():
@@ -258,14 +261,14 @@ def rollout(model, tokenizer, prompts: Sequence[str], *, group_size: int,
     finally:
         engine.close()
     raw = torch.stack(steps_tokens, dim=1)  # (N, T)
-    is_stop = (raw == stop_ids[0]) if len(stop) == 1 else torch.isin(raw, stop_ids)
+    stops = is_stop(raw)
     # real tokens: up to and including each row's first stop token
-    real = (is_stop.cumsum(-1) - is_stop.long()) == 0
+    real = (stops.cumsum(-1) - stops.long()) == 0
     completion_ids = raw.masked_fill(~real, pad)
     completion_mask = real.long()  # (N, T)
     old_logprobs = torch.cat(steps_logps, dim=1).masked_fill(~real, 0.0)  # (N, T) fp32
     # a row finished when its last real token is a stop token (else it ran out of budget)
-    finished = is_stop.any(-1)
+    finished = stops.any(-1)
     texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
     return RolloutBatch(
         prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids,

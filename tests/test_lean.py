@@ -318,14 +318,19 @@ def test_the_optimizer_is_fused_and_steps_like_plain_adamw():
     assert moved > 1e-2  # the comparison is between two optimizers that did step
 
 
-def test_a_reference_held_in_bf16_matches_its_model_forward(tiny):
-    """Under bf16 autocast the reference is held in bf16 (trainer.build_learner); the lean
-    pass then uses its weights as they are and its norm weights as fp32."""
+def _learner(**fields):
+    """(config, learner, tokenizer) as the trainer builds them, for these TrainConfig fields."""
     from labkit.config import TrainConfig
     from labkit.trainer import _accelerator, build_learner
 
-    config = TrainConfig(precision="bf16", device="cpu", beta=0.04)
-    learner, tokenizer = build_learner(config, _accelerator(config))
+    config = TrainConfig(**fields)
+    return (config, *build_learner(config, _accelerator(config)))
+
+
+def test_a_reference_held_in_bf16_matches_its_model_forward(tiny):
+    """Under bf16 autocast the reference is held in bf16 (trainer.build_learner); the lean
+    pass then uses its weights as they are and its norm weights as fp32."""
+    _, learner, tokenizer = _learner(precision="bf16", device="cpu", beta=0.04)
     reference = learner.reference
     assert all(p.dtype == torch.bfloat16 and not p.requires_grad for p in reference.parameters())
     batch = _batch(tiny[0], tokenizer)
@@ -342,11 +347,8 @@ def test_frozen_passes_give_ordinary_tensors_the_loss_may_keep(tiny, algo):
     """The reference (and PPO's old values) run in inference mode; what they return must be
     usable by a loss whose backward keeps it."""
     from labkit import algos
-    from labkit.config import TrainConfig
-    from labkit.trainer import _accelerator, build_learner
 
-    config = TrainConfig(algo=algo, device="cpu", beta=0.04)
-    learner, tokenizer = build_learner(config, _accelerator(config))
+    config, learner, tokenizer = _learner(algo=algo, device="cpu", beta=0.04)
     batch = _batch(tiny[0], tokenizer)
     ref = algos._reference_logprobs(config, learner, batch)
     with torch.no_grad():
