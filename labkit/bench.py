@@ -18,6 +18,9 @@ model load, its own allocator), one after another, never two at once:
   sides run the same completions (`MEMORY_LR`).
 * Scaling of labkit's step with G and with the completion length, with fitted slopes, and
   the time spent running prompts, which stays flat in G.
+* A floor under labkit's step on each config (`step_floor`): the step's own matrix
+  products replayed alone plus its other operations at a bare view's cost, beside TRL's
+  step, to show how much of a step's time any implementation of its operations must spend.
 
 The last line printed is one JSON object (keys in `main`'s docstring).
 """
@@ -233,9 +236,96 @@ def _digest(ids) -> str:
     return hashlib.sha256(ids.cpu().numpy().tobytes()).hexdigest()[:16]
 
 
+_PRODUCTS = ("mm", "bmm", "addmm", "baddbmm", "addbmm")
+"""The aten matrix products (`F.linear` and `torch.matmul` reach torch's dispatcher as these)."""
+
+
+def step_floor(run_step, device, replays: int = 5) -> dict:
+    """A floor under one step as labkit runs it: the step's matrix products replayed alone,
+    back to back, plus its other operations at the cost of the cheapest one torch dispatches
+    (a bare view, made in C++ with no Python in between).
+
+    `run_step()` runs once under a dispatch mode that counts every operation torch dispatches
+    (forward, backward and optimizer, in inference mode or not) and records the inputs'
+    layouts (shapes, strides, dtypes) of each matrix product. The products are replayed on
+    random inputs of those layouts (one tensor per distinct layout), and as many views as the
+    step had other operations are made by one `unbind`; each figure is the median of
+    `replays` timings. Every operation of the step is counted at no more than its cost, and
+    none of the step's Python runs, so the step takes longer than `floor_s` (on CUDA, where
+    the host's dispatching overlaps the device's products: than the larger of the two)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    products = {getattr(torch.ops.aten, name).default for name in _PRODUCTS}
+    calls, dispatched = [], [0]
+
+    def layout(arg):
+        if isinstance(arg, torch.Tensor):
+            return (tuple(arg.shape), arg.stride(), arg.dtype, arg.device)
+        return arg
+
+    class Recorder(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            dispatched[0] += 1
+            if func in products:
+                calls.append((func, [layout(a) for a in args], dict(kwargs or {})))
+            return func(*args, **(kwargs or {}))
+
+    with Recorder():
+        run_step()
+
+    made = {}
+
+    def fresh(arg):
+        if not (isinstance(arg, tuple) and len(arg) == 4 and isinstance(arg[2], torch.dtype)):
+            return arg
+        if arg not in made:
+            shape, stride, dtype, where = arg  # strides may overlap (an expanded gradient)
+            extent = 1 + sum((n - 1) * st for n, st in zip(shape, stride) if n > 0)
+            base = torch.empty(extent, dtype=dtype, device=where).normal_()
+            made[arg] = base.as_strided(shape, stride)
+        return made[arg]
+
+    replay = [(func, [fresh(a) for a in args], kwargs) for func, args, kwargs in calls]
+    others = dispatched[0] - len(calls)
+    probe = torch.zeros(others, device=device)
+
+    def products_once():
+        for func, args, kwargs in replay:
+            func(*args, **kwargs)
+
+    def others_once():
+        probe.unbind()
+
+    def median_seconds(fn) -> float:
+        fn()  # warm-up
+        times = []
+        for _ in range(replays):
+            _sync()
+            start = time.perf_counter()
+            fn()
+            _sync()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    products_s, others_s = median_seconds(products_once), median_seconds(others_once)
+    on_cpu = torch.device(device).type == "cpu"
+    return {"floor_s": products_s + others_s if on_cpu else max(products_s, others_s),
+            "floor_products_s": products_s, "floor_others_s": others_s,
+            "floor_ops": dispatched[0], "floor_products": len(calls)}
+
+
 def worker_labkit(work: Work) -> dict:
+    """labkit's GRPO step times, and the floor under one more step (`step_floor`)."""
+    from labkit import trainer
+    from labkit.algos import grpo_step
+
     config, learner, tokenizer, device = _labkit_learner(work)
-    return _labkit_step_times(config, learner, tokenizer, device, work, work.steps, work.warmup)
+    out = _labkit_step_times(config, learner, tokenizer, device, work, work.steps, work.warmup)
+    source, step = _FixedProblems(work), work.warmup + work.steps + 1
+    floor = step_floor(lambda: trainer._one_step(config, learner, tokenizer, source, grpo_step,
+                                                 step, device), device)
+    return out | {key: [value] for key, value in floor.items()}
 
 
 def worker_trl(work: Work) -> dict:
@@ -538,6 +628,14 @@ def summarize(results: dict, *, params: int, device: str, precision: str, args) 
         "rounds": args.rounds,
         "beta": args.beta, "torch_threads": _threads(),
     }
+    for label in ("tiny", "small"):
+        ours = results[f"labkit_{label}"]
+        if "floor_s" in ours:  # see step_floor
+            for key in ("floor_s", "floor_products_s", "floor_others_s"):
+                summary[f"{key}_{label}"] = _median(ours[key])
+            for key in ("floor_ops", "floor_products"):
+                summary[f"{key}_{label}"] = int(_median(ours[key]))
+            summary[f"floor_ratio_{label}"] = summary[f"floor_s_{label}"] / step[f"trl_{label}"]
     points = results.get("scaling")
     if points:
         by = {axis: [p for p in points if p["axis"] == axis]
@@ -594,6 +692,18 @@ def table(summary: dict) -> str:
                  f"small model {s['small_params'] / 1e6:.1f} M params; "
                  f"greedy tokens identical: {s['rollout_identical']}; memory: both at lr "
                  f"{s['memory_lr']:g}, same completions: {s['memory_same_completions']}")
+    if "floor_s_tiny" in s:
+        lines += ["", "floor under labkit's step (`bench.step_floor`): its matrix products "
+                      "replayed alone, plus its other dispatched operations at the cost of a "
+                      "bare view"]
+        for label in ("tiny", "small"):
+            lines.append(
+                f"  {label:<6}{s[f'floor_s_{label}']:.4f} s = {s[f'floor_ratio_{label}']:.3f} of "
+                f"TRL's step ({s[f'floor_products_{label}']} products "
+                f"{s[f'floor_products_s_{label}']:.4f} s + "
+                f"{s[f'floor_ops_{label}'] - s[f'floor_products_{label}']:,} other operations "
+                f"{s[f'floor_others_s_{label}']:.4f} s); labkit's step is "
+                f"{s[f'labkit_step_s_{label}'] / s[f'floor_s_{label}']:.2f}x its floor")
     if "scaling" in s:
         lines += ["", f"{'scaling (small)':<28}{'step s':>9}{'rollout s':>11}{'update s':>10}"
                       f"{'prompt s':>10}", "-" * 68]

@@ -77,6 +77,11 @@ def test_the_command_runs_end_to_end_and_ends_with_its_json_line():
     # the prompt-wide passes (prefill, reference and update prompt passes) were timed
     assert all(p["prompt_s"] > 0 for p in summary["scaling"] if p["axis"] != "plain")
     assert set(summary["targets_met"]) == set(bench.TARGETS)
+    for label in ("tiny", "small"):  # the floor under one step, below the step itself
+        assert 0 < summary[f"floor_s_{label}"] < summary[f"labkit_step_s_{label}"], label
+        assert 0 < summary[f"floor_products_{label}"] < summary[f"floor_ops_{label}"], label
+        assert summary[f"floor_ratio_{label}"] == pytest.approx(
+            summary[f"floor_s_{label}"] / summary[f"trl_step_s_{label}"])
     assert any(line.startswith("comparison") for line in lines)  # the table above the JSON
 
 
@@ -104,6 +109,34 @@ def test_the_prompt_timer_times_the_lean_passes_without_turning_them_off(tiny):
     finally:
         timer.close()
     assert lean.backbone is original
+
+
+def test_the_step_floor_counts_every_dispatched_operation_and_each_product():
+    """Five operations by construction, three of them matrix products."""
+    aten = torch.ops.aten
+    a, b = torch.randn(8, 16), torch.randn(16, 4)
+    c, d = torch.randn(3, 8, 16), torch.randn(3, 16, 4)
+
+    def step():
+        y = aten.mm.default(a, b)
+        aten.bmm.default(c, d)
+        aten.addmm.default(y, a, b)
+        aten.relu.default(y)
+        aten.add.Tensor(y, y)
+
+    floor = bench.step_floor(step, "cpu", replays=3)
+    assert floor["floor_ops"] == 5 and floor["floor_products"] == 3
+    assert floor["floor_products_s"] > 0 and floor["floor_others_s"] > 0
+    assert floor["floor_s"] == floor["floor_products_s"] + floor["floor_others_s"]
+
+
+def test_the_step_floor_sees_the_backward_and_replays_expanded_inputs():
+    """The backward's product counts too; its input is the loss's expanded (stride 0)
+    gradient, which the replay rebuilds with the same overlapping strides."""
+    x, w = torch.randn(8, 16), torch.randn(16, 4, requires_grad=True)
+    floor = bench.step_floor(lambda: (x @ w).sum().backward(), "cpu", replays=2)
+    assert floor["floor_products"] == 2  # x @ w, and x.t() @ grad for w (x needs none)
+    assert floor["floor_ops"] > 2
 
 
 def _memory_work():
