@@ -193,11 +193,14 @@ def _stacked(linears, dtype) -> tuple[Tensor, Tensor | None]:
     return weight.to(dtype), bias.to(dtype)
 
 
-def _linear(x: Tensor, weight, bias) -> Tensor:
-    """x @ weight.T + bias, for one weight or a tuple of weights whose outputs are joined."""
+def _linears(x: Tensor, weight, bias, sizes: list[int]) -> tuple[Tensor, ...]:
+    """x @ W.T + b for each of the linears whose output widths are `sizes`: one product
+    sliced when `weight` is their stacked matrix, else one product per matrix in the tuple
+    `weight`. Separate outputs are never joined: joining copies them, and slicing a joined
+    output that autograd tracks costs a zero-filled full-width gradient per slice."""
     if isinstance(weight, tuple):
-        return torch.cat([F.linear(x, w, b) for w, b in zip(weight, bias)], dim=-1)
-    return F.linear(x, weight, bias)
+        return tuple(F.linear(x, w, b) for w, b in zip(weight, bias))
+    return F.linear(x, weight, bias).split(sizes, dim=-1)
 
 
 def backbone(model, ids: Tensor, mask: Tensor, positions: Tensor,
@@ -227,17 +230,13 @@ def backbone(model, ids: Tensor, mask: Tensor, positions: Tensor,
         attn = layer.self_attn
         ln = layer.input_layernorm
         h = F.rms_norm(x, (x.shape[-1],), _w32(ln), _eps(ln)).to(dtype)
-        qkv = _linear(h, w_qkv, b_qkv)  # (n, L, (H + 2 Hkv) D)
-        v = qkv[..., (H + Hkv) * D:].view(n, L, Hkv, D).transpose(1, 2)
+        q, k, v = _linears(h, w_qkv, b_qkv, [H * D, Hkv * D, Hkv * D])  # (n, L, H|Hkv * D)
+        q, k = q.view(n, L, H, D).float(), k.view(n, L, Hkv, D).float()
+        v = v.view(n, L, Hkv, D).transpose(1, 2)
         if hasattr(attn, "q_norm"):
-            q = F.rms_norm(qkv[..., :H * D].view(n, L, H, D).float(), (D,), _w32(attn.q_norm),
-                           _eps(attn.q_norm))
-            k = F.rms_norm(qkv[..., H * D:(H + Hkv) * D].view(n, L, Hkv, D).float(), (D,),
-                           _w32(attn.k_norm), _eps(attn.k_norm))
-            q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-        else:
-            qk = _rope(qkv[..., :(H + Hkv) * D].view(n, L, H + Hkv, D).float(), cos, sin)
-            q, k = qk[:, :, :H], qk[:, :, H:]
+            q = F.rms_norm(q, (D,), _w32(attn.q_norm), _eps(attn.q_norm))
+            k = F.rms_norm(k, (D,), _w32(attn.k_norm), _eps(attn.k_norm))
+        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
         q, k = q.transpose(1, 2).to(dtype), k.transpose(1, 2).to(dtype)  # (n, H|Hkv, L, D)
         if cache is not None:
             past_k, past_v = cache.layers[i]
@@ -253,9 +252,8 @@ def backbone(model, ids: Tensor, mask: Tensor, positions: Tensor,
         x = x + F.linear(o, w_o, b_o)
         ln = layer.post_attention_layernorm
         h = F.rms_norm(x, (x.shape[-1],), _w32(ln), _eps(ln)).to(dtype)
-        gu = _linear(h, w_gu, b_gu)
-        inter = gu.shape[-1] // 2
-        x = x + F.linear(F.silu(gu[..., :inter]) * gu[..., inter:], w_down, b_down)
+        gate, up = _linears(h, w_gu, b_gu, [w_down.shape[1]] * 2)
+        x = x + F.linear(F.silu(gate) * up, w_down, b_down)
     if keep is not None:
         x = x[:, -keep:]
     return F.rms_norm(x, (x.shape[-1],), _w32(base.norm), _eps(base.norm)), LeanCache(out_cache)
