@@ -46,10 +46,12 @@ TEST_SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=4)
 """`--scale test`: the same measurements on a toy model, to check the command quickly."""
 
-MEMORY_LR = 1e-9
+MEMORY_LR = 1e-30
 """lr and critic_lr of the memory comparison. A step's memory depends on its shapes, not on
-what it learns; at a learning rate this small neither policy moves from where it starts, so
-with the same seeds GRPO and PPO sample the same completions at every step (the summary's
+what it learns; at a learning rate this small no weight of either policy changes at all (an
+AdamW step of about lr is far below a float32 weight's last bit: at 1e-9 some 10% of the
+weights still moved by one bit, enough to flip a near-tied draw), so with the same seeds
+GRPO and PPO sample the same completions at every step (the summary's
 `memory_same_completions` compares them token for token, and the target counts as missed
 when they differ). At a real learning rate the random *small* model's PPO policy drops to
 1-token completions after its first update, and the comparison would set GRPO's steady

@@ -153,11 +153,26 @@ def test_the_memory_comparison_runs_the_same_completions_on_both_sides():
     and PPO's shorten)."""
     work = _memory_work()
     grpo, ppo = (bench.worker_memory(work, algo) for algo in ("grpo", "ppo"))
-    assert grpo["lr"] == ppo["lr"] == bench.MEMORY_LR == 1e-9
+    assert grpo["lr"] == ppo["lr"] == bench.MEMORY_LR == 1e-30
     assert len(grpo["tokens"]) == 3 and all(t > 0 for t in grpo["tokens"])
     assert grpo["completions"] == ppo["completions"]  # token for token
     assert grpo["tokens"] == ppo["tokens"]
     assert grpo["peak_growth_mb"] > 0 and ppo["peak_growth_mb"] > 0
+
+
+@pytest.mark.parametrize("algo", ["grpo", "ppo"])
+@pytest.mark.parametrize("lr, moved", [(bench.MEMORY_LR, False), (1e-9, True)])
+def test_at_the_memory_lr_no_policy_weight_changes(algo, lr, moved):
+    """The memory comparison's premise, bit for bit: at MEMORY_LR three steps leave every
+    policy weight as it was. The control: at 1e-9 some weights move by their last bit,
+    which is enough to flip a near-tied draw between the two sides."""
+    work = _memory_work()
+    config, learner, tokenizer, device = bench._labkit_learner(work, algo, lr=lr,
+                                                               critic_lr=lr)
+    before = {k: v.clone() for k, v in learner.policy.state_dict().items()}
+    bench._labkit_step_times(config, learner, tokenizer, device, work, work.steps, 0)
+    changed = sum(int((v != before[k]).sum()) for k, v in learner.policy.state_dict().items())
+    assert (changed > 0) is moved, changed
 
 
 def test_at_a_real_learning_rate_the_two_sides_completions_part(monkeypatch):
