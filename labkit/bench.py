@@ -255,15 +255,23 @@ def step_floor(run_step, device, replays: int = 5) -> dict:
     `replays` timings. Every operation of the step is counted at no more than its cost, and
     none of the step's Python runs, so the step takes longer than `floor_s` (on CUDA, where
     the host's dispatching overlaps the device's products: than the larger of the two)."""
+    from typing import NamedTuple
+
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Layout(NamedTuple):  # what a product's replay needs of one tensor input
+        shape: tuple
+        stride: tuple
+        dtype: torch.dtype
+        device: torch.device
 
     products = {getattr(torch.ops.aten, name).default for name in _PRODUCTS}
     calls, dispatched = [], [0]
 
     def layout(arg):
         if isinstance(arg, torch.Tensor):
-            return (tuple(arg.shape), arg.stride(), arg.dtype, arg.device)
+            return Layout(tuple(arg.shape), arg.stride(), arg.dtype, arg.device)
         return arg
 
     class Recorder(TorchDispatchMode):
@@ -279,13 +287,12 @@ def step_floor(run_step, device, replays: int = 5) -> dict:
     made = {}
 
     def fresh(arg):
-        if not (isinstance(arg, tuple) and len(arg) == 4 and isinstance(arg[2], torch.dtype)):
+        if not isinstance(arg, Layout):
             return arg
-        if arg not in made:
-            shape, stride, dtype, where = arg  # strides may overlap (an expanded gradient)
-            extent = 1 + sum((n - 1) * st for n, st in zip(shape, stride) if n > 0)
-            base = torch.empty(extent, dtype=dtype, device=where).normal_()
-            made[arg] = base.as_strided(shape, stride)
+        if arg not in made:  # strides may overlap (an expanded gradient)
+            extent = 1 + sum((n - 1) * st for n, st in zip(arg.shape, arg.stride) if n > 0)
+            base = torch.empty(extent, dtype=arg.dtype, device=arg.device).normal_()
+            made[arg] = base.as_strided(arg.shape, arg.stride)
         return made[arg]
 
     replay = [(func, [fresh(a) for a in args], kwargs) for func, args, kwargs in calls]
