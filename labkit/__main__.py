@@ -116,7 +116,7 @@ def run_train(args) -> dict:
     if args.resume is not None:
         if given:
             raise ValueError(f"--resume continues a run with its own config; drop {sorted(given)}")
-        from labkit.runs import read_config
+        from labkit.rundir import read_config
         read_config(args.resume)  # a clear error before any model loads
         config = None
     else:
@@ -154,7 +154,7 @@ def _sweep_parser(sub) -> None:
 
 
 def run_notebook_command(args) -> int:
-    from labkit.runner import REPORT, RunFailed, read_summary, run_notebook
+    from labkit.lab.runner import REPORT, RunFailed, read_summary, run_notebook
 
     given = {}
     for name, value in args.parameters:
@@ -199,8 +199,8 @@ def summary_table(summary: dict) -> str:
 
 
 def run_sweep_command(args) -> int:
-    from labkit.runs import RUNS_ROOT
-    from labkit.sweeps import CSV_NAME, PLOT_NAME, load_sweep, plan, run_sweep
+    from labkit.rundir import RUNS_ROOT
+    from labkit.lab.sweeps import CSV_NAME, PLOT_NAME, load_sweep, plan, run_sweep
 
     if args.workers < 1:
         raise ValueError(f"--workers must be >= 1, got {args.workers}")

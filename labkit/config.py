@@ -150,7 +150,7 @@ class TrainConfig:
     prompts: below that the extra forward call costs more than it saves); True always,
     False never."""
     lean: bool = True
-    """Run Llama, Mistral, Qwen2 and Qwen3 models through labkit.lean's hand-written
+    """Run Llama, Mistral, Qwen2 and Qwen3 models through labkit.fast's hand-written
     forward and decoder (the same numbers up to float rounding, with far less per-call
     overhead); False, or any other architecture, uses the model's own forward."""
     progress: bool = True

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from labkit import lean as _lean
+from labkit import fast as _lean
 from labkit.tasks import format_prompt
 
 SHARED_PREFIX_MIN_TOKENS = 64
@@ -208,7 +208,7 @@ def rollout(model, tokenizer, prompts: Sequence[str], *, group_size: int,
     top-p cut, the policy that the update's ratio compares against (as TRL and verl do).
     `seed` makes the draws repeatable; None uses torch's global generator.
 
-    `lean` decodes with `labkit.lean.Decoder` where the model allows it (Llama, Mistral,
+    `lean` decodes with `labkit.fast.Decoder` where the model allows it (Llama, Mistral,
     Qwen2, Qwen3), else with the model's own forward; both give the same tokens up to float
     rounding. Under autocast the lean decoder computes in the autocast dtype (in fp32 for a
     small model on a CPU, `CPU_LOW_PRECISION_MIN_PARAMS`). `shared_prefix`
@@ -310,7 +310,7 @@ def _compute_dtype(device: torch.device, model) -> torch.dtype:
 
 class _ModelDecoder:
     """Prefill and decode through the model's own forward and transformers' KV cache (the
-    path for architectures `labkit.lean` does not cover, and the reference it is tested
+    path for architectures `labkit.fast` does not cover, and the reference it is tested
     against): the prompt's cache repeated over the group, reserved for the whole completion."""
 
     def __init__(self, model):

@@ -13,8 +13,8 @@ completions against it. The gradient that reaches the prompt's keys and values f
 completions is summed by the indexing's backward, so the parameters get the same gradient
 as on the plain path.
 
-Either path runs a supported model (Llama, Mistral, Qwen2, Qwen3) through `labkit.lean`'s
-hand-written forward unless `lean=False`; its cache is then a `labkit.lean.LeanCache`.
+Either path runs a supported model (Llama, Mistral, Qwen2, Qwen3) through `labkit.fast`'s
+hand-written forward unless `lean=False`; its cache is then a `labkit.fast.LeanCache`.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from labkit import lean as _lean
+from labkit import fast as _lean
 from labkit.losses import entropy as entropy_of
 from labkit.rollout import RolloutBatch, cache_keyword, cache_of
 
@@ -110,7 +110,7 @@ def token_logprobs(model, batch: RolloutBatch, rows: Tensor | None = None, *,
     the sampling one gives ratio 1. Log-probs are fp32 whatever the model's dtype. The
     entropy is detached unless `entropy_grad` (an entropy bonus needs its gradient).
     `share_prompt` runs each prompt once for its group (module docstring); `lean` runs a
-    supported model through `labkit.lean.lm_forward` instead of its own forward.
+    supported model through `labkit.fast.lm_forward` instead of its own forward.
     """
     rows = _all_rows(batch, rows)
     logits = completion_outputs(_lm_forward(model, lean), batch, rows, share_prompt=share_prompt)

@@ -21,7 +21,7 @@ import torch
 from tqdm.auto import tqdm
 
 from labkit import metrics as M
-from labkit import runs, stops
+from labkit import rundir, stops
 from labkit.advantages import NonFiniteError
 from labkit.algos import Learner, StepOutput, grpo_step, ppo_step
 from labkit.config import TrainConfig
@@ -224,7 +224,7 @@ def _restore(learner: Learner, state: dict) -> None:
         acc.unwrap_model(learner.critic).load_state_dict(state["critic"])
         learner.critic_optimizer.load_state_dict(state["critic_optimizer"])
         learner.critic_scheduler.load_state_dict(state["critic_scheduler"])
-    runs.set_rng_state(state["rng"])
+    rundir.set_rng_state(state["rng"])
 
 
 def run_eval(config: TrainConfig, policy, tokenizer, source: ProblemSource) -> dict:
@@ -252,7 +252,7 @@ def train(config: TrainConfig | None = None, *, resume: str | Path | None = None
           callbacks: Sequence[Callable[[StepReport], None]] = ()) -> RunResult:
     """Run (or resume) a training run and return where it wrote and how it went.
 
-    The run holds its directory's lock (`runs.RunLock`) until it returns, so a second run or
+    The run holds its directory's lock (`rundir.RunLock`) until it returns, so a second run or
     a resume of this one cannot write there meanwhile. A stop rule (`config.stop_rules`)
     ends it early with a checkpoint, `stopped.json` and `RunResult.stopped`; a non-finite
     loss, reward or advantage raises RunAborted after checkpointing the last whole step.
@@ -260,19 +260,19 @@ def train(config: TrainConfig | None = None, *, resume: str | Path | None = None
     start_time = time.perf_counter()
     if resume is not None:
         run_dir = Path(resume)
-        config = TrainConfig.from_dict(runs.read_config(run_dir))
-        lock = runs.RunLock(run_dir)
+        config = TrainConfig.from_dict(rundir.read_config(run_dir))
+        lock = rundir.RunLock(run_dir)
     else:
         config = config or TrainConfig()
         if config.run_dir:
-            lock = runs.claim_run_dir(config.run_dir)
+            lock = rundir.claim_run_dir(config.run_dir)
             run_dir = lock.run_dir
         else:
-            run_dir = runs.new_run_dir(config.algo)
-            lock = runs.RunLock(run_dir)
+            run_dir = rundir.new_run_dir(config.algo)
+            lock = rundir.RunLock(run_dir)
     try:
         if resume is None:
-            runs.write_config(run_dir, config.to_dict())
+            rundir.write_config(run_dir, config.to_dict())
         elif (run_dir / STOPPED).is_file():
             raise ValueError(f"{run_dir} was ended by a stop rule ({_stop_message(run_dir)}): "
                              "it is finished; start a new run to train further")
@@ -298,12 +298,12 @@ def _train(config: TrainConfig, run_dir: Path, resuming: bool,
     step_fn = grpo_step if config.algo == "grpo" else ppo_step
     metrics_path = run_dir / "metrics.jsonl"
     first = _resume_point(learner, run_dir, metrics_path) if resuming else 1
-    history = runs.read_metrics(metrics_path)
+    history = rundir.read_metrics(metrics_path)
     tracker = stops.StopRules(stops.parse(config.stop_rules))
     stopped = None
     for record in history:  # a resumed run follows the same streaks as an uninterrupted one
         stopped = tracker.update(record)
-    writer = runs.MetricsWriter(metrics_path)
+    writer = rundir.MetricsWriter(metrics_path)
     policy = accelerator.unwrap_model(learner.policy)
     device = accelerator.device
     if first == 1:
@@ -339,7 +339,7 @@ def _train(config: TrainConfig, run_dir: Path, resuming: bool,
             if stopped is not None:
                 break
             if config.checkpoint_every and step % config.checkpoint_every == 0:
-                runs.save_checkpoint(run_dir, step, _state(learner))
+                rundir.save_checkpoint(run_dir, step, _state(learner))
     except (FloatingPointError, RewardError, NonFiniteError) as e:
         raise _abort(run_dir, learner, step, e, clean=_update_count(learner) == updates_before
                      ) from e
@@ -356,13 +356,13 @@ def _train(config: TrainConfig, run_dir: Path, resuming: bool,
 def _resume_point(learner: Learner, run_dir: Path, metrics_path: Path) -> int:
     """Restore the latest checkpoint and cut metrics.jsonl back to it; the first step to run.
     The records after the checkpoint (and a torn last line) go: those steps run again."""
-    checkpoint = runs.latest_checkpoint(run_dir)
+    checkpoint = rundir.latest_checkpoint(run_dir)
     if checkpoint is None:  # killed before its first checkpoint: start over
-        runs.truncate_metrics(metrics_path, -1)
+        rundir.truncate_metrics(metrics_path, -1)
         return 1
-    state = runs.load_checkpoint(checkpoint)
+    state = rundir.load_checkpoint(checkpoint)
     _restore(learner, state)
-    runs.truncate_metrics(metrics_path, state["step"])
+    rundir.truncate_metrics(metrics_path, state["step"])
     return state["step"] + 1
 
 
@@ -371,9 +371,9 @@ def _finish(run_dir: Path, learner: Learner, policy, tokenizer, last: int,
     """The last checkpoint, then (a stop rule fired) stopped.json and a line on stderr, then
     the final model. The checkpoint comes before stopped.json: a run killed in between is
     resumed, replays its records, and stops again at the same step."""
-    runs.save_checkpoint(run_dir, last, _state(learner))
+    rundir.save_checkpoint(run_dir, last, _state(learner))
     if stopped is not None:
-        runs.write_json(run_dir / STOPPED, stopped.to_dict())
+        rundir.write_json(run_dir / STOPPED, stopped.to_dict())
         tqdm.write(f"{run_dir}: {stopped.message()}", file=sys.stderr)
     policy.save_pretrained(run_dir / "final")
     tokenizer.save_pretrained(run_dir / "final")
@@ -391,11 +391,11 @@ def _abort(run_dir: Path, learner: Learner, step: int, error: Exception,
     step's earlier minibatches already moved them and the state is kept apart, as
     `diverged_<step>.pt`, for inspection only."""
     if clean:
-        path = runs.save_checkpoint(run_dir, step - 1, _state(learner))
+        path = rundir.save_checkpoint(run_dir, step - 1, _state(learner))
         where = f"its last checkpoint is {path}"
     else:
-        kept = runs.save_checkpoint(run_dir, step, _state(learner), name="diverged")
-        latest = runs.latest_checkpoint(run_dir)
+        kept = rundir.save_checkpoint(run_dir, step, _state(learner), name="diverged")
+        latest = rundir.latest_checkpoint(run_dir)
         where = (f"the state mid-step is in {kept}; resume restarts from "
                  f"{latest if latest is not None else 'the beginning'}")
     return RunAborted(f"step {step}: {error}; the run stopped, {where}")

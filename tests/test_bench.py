@@ -86,11 +86,11 @@ def test_the_command_runs_end_to_end_and_ends_with_its_json_line():
 
 
 def test_the_prompt_timer_times_the_lean_passes_without_turning_them_off(tiny):
-    """A forward hook would send the model to its own forward; the timer wraps labkit.lean's
+    """A forward hook would send the model to its own forward; the timer wraps labkit.fast's
     functions instead, and only calls over the whole prompt width count."""
     import torch
 
-    from labkit import lean
+    from labkit import fast as lean
     from labkit.rollout import rollout
     from labkit.scoring import token_logprobs
 

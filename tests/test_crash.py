@@ -16,9 +16,9 @@ import pytest
 import torch
 import yaml
 
-from labkit import runs
+from labkit import rundir
 from labkit.config import TrainConfig
-from labkit.runs import (MetricsWriter, RunDirBusy, RunLock, claim_run_dir, latest_checkpoint,
+from labkit.rundir import (MetricsWriter, RunDirBusy, RunLock, claim_run_dir, latest_checkpoint,
                          load_checkpoint, read_metrics, save_checkpoint, truncate_metrics)
 
 HERE = Path(__file__).resolve().parent
@@ -115,9 +115,9 @@ def test_each_record_is_one_write_of_a_whole_line_then_synced(tmp_path, monkeypa
     real_write, real_fsync = os.write, os.fsync
     chunks, synced = [], []
     writer = MetricsWriter(tmp_path / "metrics.jsonl")
-    monkeypatch.setattr(runs.os, "write", lambda fd, data: (
+    monkeypatch.setattr(rundir.os, "write", lambda fd, data: (
         chunks.append(bytes(data)) if fd == writer._fd else None, real_write(fd, data))[1])
-    monkeypatch.setattr(runs.os, "fsync", lambda fd: (synced.append(fd), real_fsync(fd))[1])
+    monkeypatch.setattr(rundir.os, "fsync", lambda fd: (synced.append(fd), real_fsync(fd))[1])
     records = [{"step": 1, "loss/total": float("nan"), "text": "x" * 9000}, {"step": 2}]
     for record in records:
         writer.write(record)
@@ -134,13 +134,13 @@ def test_a_checkpoint_killed_while_saving_leaves_the_previous_one(tmp_path, monk
         f.write(b"PK\x03\x04 half a zip")
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(runs.torch, "save", dies_halfway)
+    monkeypatch.setattr(rundir.torch, "save", dies_halfway)
     with pytest.raises(KeyboardInterrupt):
         save_checkpoint(tmp_path, 2, {"policy": {"w": torch.zeros(3)}})
     monkeypatch.undo()
     assert latest_checkpoint(tmp_path).name == "step_000001.pt"
     assert torch.equal(load_checkpoint(latest_checkpoint(tmp_path))["policy"]["w"], torch.ones(3))
-    folder = tmp_path / runs.CHECKPOINTS
+    folder = tmp_path / rundir.CHECKPOINTS
     assert [p.name for p in folder.glob(".*.tmp")] == [".step_000002.pt.tmp"]
     save_checkpoint(tmp_path, 2, {"policy": {"w": torch.zeros(3)}})  # clears the leftover
     assert sorted(p.name for p in folder.iterdir()) == ["step_000001.pt", "step_000002.pt"]
@@ -174,7 +174,7 @@ def test_threads_racing_for_one_run_dir_give_it_to_exactly_one(tmp_path):
 RACER = textwrap.dedent("""
     import sys, time
     from pathlib import Path
-    from labkit.runs import claim_run_dir
+    from labkit.rundir import claim_run_dir
     go = Path(sys.argv[2])
     while not go.exists():
         time.sleep(0.001)
@@ -215,7 +215,7 @@ def test_a_crashed_runs_lock_does_not_block_its_resume(tmp_path):
     """The lock dies with its process: a SIGKILLed holder leaves the file, not the lock."""
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import time
-        from labkit.runs import RunLock
+        from labkit.rundir import RunLock
         RunLock({str(tmp_path)!r})
         print("held", flush=True)
         time.sleep(300)
@@ -262,7 +262,7 @@ def test_a_killed_sweep_reruns_only_what_did_not_finish(tmp_path):
 
 
 def test_a_sweep_already_running_is_not_run_twice(tmp_path, monkeypatch):
-    from labkit import sweeps
+    from labkit.lab import sweeps
 
     def refuse(*args, **kwargs):
         raise AssertionError("a notebook was executed")

@@ -275,7 +275,7 @@ def test_a_nan_reward_stops_the_run_with_one_line_and_a_resumable_checkpoint(
     of step 1 is there, and a resume finishes the run."""
     import labkit.trainer
     from labkit.__main__ import main
-    from labkit.runs import latest_checkpoint, load_checkpoint, read_metrics
+    from labkit.rundir import latest_checkpoint, load_checkpoint, read_metrics
     from labkit.trainer import train
 
     calls = []
@@ -308,7 +308,7 @@ def test_a_non_finite_loss_mid_step_is_kept_apart_from_the_resumable_checkpoints
     """With two minibatches the first has already moved the weights when the second's loss
     is NaN: that state is not the end of any step, so no resume may load it as one."""
     import labkit.algos
-    from labkit.runs import CHECKPOINTS, latest_checkpoint
+    from labkit.rundir import CHECKPOINTS, latest_checkpoint
     from labkit.trainer import RunAborted, train
 
     original, calls = labkit.algos.losses.policy_loss, []

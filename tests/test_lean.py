@@ -1,4 +1,4 @@
-"""labkit.lean's hand-written forward and decoder against the models' own forward (the plain
+"""labkit.fast's hand-written forward and decoder against the models' own forward (the plain
 path): same logits, log-probs, gradients and tokens, for each architecture family it covers,
 and a clear fallback for what it does not cover."""
 
@@ -9,7 +9,7 @@ import torch
 from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM,
                           Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
-from labkit import lean
+from labkit import fast as lean
 from labkit.rollout import encode_prompts, rollout, sample
 from labkit.scoring import ValueModel, token_logprobs, token_values
 

@@ -216,7 +216,7 @@ def one_thread():
 
 
 def test_live_controls_rerun_into_fresh_folders(tmp_path, one_thread):
-    from labkit import plots
+    from labkit.lab import plots
 
     live = plots.LivePlot()
     panel = lab.live_controls(live, run_dir=tmp_path, estimator="rloo", group_size=2, steps=2,

@@ -8,7 +8,7 @@ import plotly.io as pio
 import pytest
 import torch
 
-from labkit import plots
+from labkit.lab import plots
 from labkit.config import TrainConfig
 from labkit.trainer import StepReport
 

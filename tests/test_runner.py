@@ -13,8 +13,8 @@ import nbformat
 import pytest
 import yaml
 
-from labkit import runner, sweeps
-from labkit.runner import Param, RunFailed, check_parameters, notebook_parameters
+from labkit.lab import runner, sweeps
+from labkit.lab.runner import Param, RunFailed, check_parameters, notebook_parameters
 
 HERE = Path(__file__).resolve().parent
 FIXTURES = HERE / "fixtures"

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from labkit.config import TrainConfig
-from labkit.runs import latest_checkpoint, load_checkpoint, read_metrics
+from labkit.rundir import latest_checkpoint, load_checkpoint, read_metrics
 from labkit.stops import StopRule, StopRules, parse
 from labkit.trainer import STOPPED, train
 

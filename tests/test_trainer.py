@@ -8,7 +8,7 @@ import torch
 
 from labkit.config import TrainConfig
 from labkit.rewards import correctness
-from labkit.runs import latest_checkpoint, read_metrics
+from labkit.rundir import latest_checkpoint, read_metrics
 from labkit.trainer import _accelerator, train
 
 SMOKE = dict(steps=3, batch_prompts=4, group_size=4, max_new_tokens=12, eval_every=2,

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from labkit.config import TrainConfig
-from labkit.runs import RunLock
+from labkit.rundir import RunLock
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -234,7 +234,7 @@ def test_eval_checks_before_loading_a_model(monkeypatch, capsys):
 
 
 def test_sweep_checks_every_grid_point_against_the_config_rules(tmp_path):
-    from labkit import sweeps
+    from labkit.lab import sweeps
 
     path = write_sweep(tmp_path, NOTEBOOKS / "01_grpo_vs_ppo.ipynb",
                        grid={"batch_prompts": [8, 6], "group_size": [4, 1]})

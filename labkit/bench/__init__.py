@@ -122,7 +122,7 @@ class _FixedProblems:
 
 class _PromptTimer:
     """Seconds spent in forward passes over whole prompts (P tokens wide): the rollout's
-    prefill, the reference's and the update's prompt pass. labkit.lean's passes are timed by
+    prefill, the reference's and the update's prompt pass. labkit.fast's passes are timed by
     wrapping its functions (a hook on the model would send it to its own forward instead);
     with `lean` off, by hooks on the models' decoder stacks."""
 
@@ -130,7 +130,7 @@ class _PromptTimer:
         self.seconds, self.width, self._start = 0.0, width, None
         self._undo = []
         if lean:
-            from labkit import lean as module
+            from labkit import fast as module
 
             self._wrap(module, "backbone", lambda args, kwargs: args[1].shape[1] == width)
             self._wrap(module.Decoder, "_prefill", lambda args, kwargs: True)
@@ -765,10 +765,3 @@ def _worker_main(name: str, spec: str) -> None:
     if WORKERS.get(name) is None:
         raise SystemExit(f"unknown worker {name!r}")
     print(json.dumps(WORKERS[name](work, **data["kwargs"])))
-
-
-if __name__ == "__main__":
-    if len(sys.argv) == 4 and sys.argv[1] == "--worker":
-        _worker_main(sys.argv[2], sys.argv[3])
-    else:
-        raise SystemExit("usage: python -m labkit bench [options]")

@@ -1,7 +1,7 @@
 """What the notebooks call: run directories, experiment runs, summaries and their outputs.
 
 A notebook stays thin: it sets its parameters, calls one function here per experiment
-(`compare`, `group_size_runs`, `live_training`), shows `labkit.plots` figures of the runs'
+(`compare`, `group_size_runs`, `live_training`), shows `labkit.lab.plots` figures of the runs'
 histories and ends with `write_outputs`, which leaves `summary.json` (a flat dict of numbers
 and short strings) and `metrics.jsonl` (every step record of every run, tagged with `run`)
 in the notebook's run directory. Each training run writes its own folder inside it.
@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from labkit import advantages as adv
-from labkit import losses, runs
+from labkit import losses, rundir
 from labkit.config import TrainConfig
 from labkit.tasks import ArithmeticTask, Problem
 from labkit.trainer import RunResult, StepReport, train
@@ -59,7 +59,7 @@ def resolve_run_dir(run_dir: str, stem: str) -> Path:
         path = Path(run_dir).expanduser()
         path.mkdir(parents=True, exist_ok=True)
         return path
-    return runs.new_run_dir(stem, root=project_root() / runs.RUNS_ROOT)
+    return rundir.new_run_dir(stem, root=project_root() / rundir.RUNS_ROOT)
 
 
 def fresh_dir(path: str | Path) -> Path:
@@ -369,7 +369,7 @@ def write_outputs(run_dir: str | Path, summary: Mapping,
     summary_path, metrics_path = run_dir / "summary.json", run_dir / "metrics.jsonl"
     metrics_path.write_text("".join(json.dumps({k: _finite(v) for k, v in r.items()}) + "\n"
                                     for r in lines), encoding="utf-8")
-    runs.write_json(summary_path, {k: _finite(v) for k, v in summary.items()})
+    rundir.write_json(summary_path, {k: _finite(v) for k, v in summary.items()})
     return summary_path, metrics_path
 
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from html import escape
 from pathlib import Path
 
-from labkit.runner import (PARAMETERS_FILE, RUNNER_OWNED, RunFailed, check_config_rules,
+from labkit.lab.runner import (PARAMETERS_FILE, RUNNER_OWNED, RunFailed, check_config_rules,
                            check_value, execute, finite_or_none, is_number,
                            notebook_parameters, read_summary, unknown_names)
 
@@ -222,7 +222,7 @@ def run_sweep(sweep: Sweep, root: str | Path, workers: int = 1,
 
     The sweep folder's lock is held throughout: a second invocation of the same sweep, while
     this one runs, is refused rather than setting aside or rerunning the runs in progress."""
-    from labkit.runs import RunLock
+    from labkit.rundir import RunLock
 
     if workers < 1:
         raise ValueError(f"--workers must be >= 1, got {workers}")

@@ -305,7 +305,7 @@ def run_notebook(notebook: str | Path, given: dict[str, str], name: str | None =
                  root: str | Path | None = None, progress: bool = True) -> Path:
     """`python -m labkit run`: check the command-line values, make the run directory
     (`root/<name or notebook stem>/<time>-<pid>`, or the given `run_dir`), execute."""
-    from labkit.runs import RUNS_ROOT, claim_run_dir, new_run_dir
+    from labkit.rundir import RUNS_ROOT, claim_run_dir, new_run_dir
 
     notebook = Path(notebook)
     values = check_parameters(notebook, given)  # before any folder or kernel exists

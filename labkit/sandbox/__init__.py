@@ -908,6 +908,3 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(summary))
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())
