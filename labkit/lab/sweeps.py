@@ -310,6 +310,55 @@ def _spread(values: list) -> tuple:
     return mean, mean - min(values), max(values) - mean
 
 
+def _summary_fields(sweep: Sweep, finished: list[Run]) -> dict[str, list[str]]:
+    """The numeric summary keys grouped by field ("grpo/accuracy_after" -> "accuracy_after"),
+    without the fields named like a notebook parameter (they echo inputs)."""
+    echoed = set(notebook_parameters(sweep.notebook))
+    keys = [k for k in dict.fromkeys(k for r in finished for k in r.summary)
+            if k.rsplit("/", 1)[-1] not in echoed
+            and all(is_number(r.summary[k]) for r in finished if k in r.summary)]
+    fields: dict[str, list[str]] = {}
+    for key in keys:
+        fields.setdefault(key.rsplit("/", 1)[-1], []).append(key)
+    return fields
+
+
+def _error_bars(stats: list[tuple]) -> dict:
+    return dict(type="data", symmetric=False, arrayminus=[lo for _, lo, _ in stats],
+                array=[hi for _, _, hi in stats])
+
+
+def _prefix_points(fig, name: str, members: list[str], finished: list[Run]) -> None:
+    """Only seeds vary: one marker per key prefix, the mean over seeds with min/max bars."""
+    import plotly.graph_objects as go
+
+    xs = [k.rsplit("/", 1)[0] if "/" in k else k for k in members]
+    stats = [_spread([r.summary[k] for r in finished if k in r.summary]) for k in members]
+    fig.add_trace(go.Scatter(x=xs, y=[m for m, _, _ in stats], mode="markers", name=name,
+                             error_y=_error_bars(stats)))
+    fig.update_xaxes(type="category")
+
+
+def _grid_lines(fig, name: str, members: list[str], finished: list[Run], x_name: str,
+                others: list[str]) -> None:
+    """A varying grid parameter on the x axis: a line per key prefix and setting of the other
+    varying parameters, the mean over seeds with min/max bars at each x."""
+    import plotly.graph_objects as go
+
+    for key in members:
+        prefix = [key.rsplit("/", 1)[0]] if "/" in key else []
+        lines: dict[str, dict] = {}
+        for run in finished:
+            if key in run.summary:
+                label = ", ".join(prefix + [f"{k}={run.values[k]}" for k in others])
+                lines.setdefault(label or name, {}).setdefault(
+                    run.values[x_name], []).append(run.summary[key])
+        for label, points in lines.items():
+            stats = [_spread(v) for v in points.values()]
+            fig.add_trace(go.Scatter(x=list(points), y=[m for m, _, _ in stats], name=label,
+                                     mode="lines+markers", error_y=_error_bars(stats)))
+
+
 def write_comparison(sweep: Sweep, runs: list[Run], path: Path) -> Path:
     """comparison.html: a figure per numeric summary field, the mean over seeds with min/max
     error bars. Keys "<prefix>/<field>" (e.g. "grpo/accuracy_after") share the field's figure.
@@ -321,40 +370,13 @@ def write_comparison(sweep: Sweep, runs: list[Run], path: Path) -> Path:
 
     x_name, others = _x_axis(sweep)
     finished = [r for r in runs if r.summary]
-    echoed = set(notebook_parameters(sweep.notebook))
-    keys = [k for k in dict.fromkeys(k for r in finished for k in r.summary)
-            if k.rsplit("/", 1)[-1] not in echoed
-            and all(is_number(r.summary[k]) for r in finished if k in r.summary)]
-    fields: dict[str, list[str]] = {}
-    for key in keys:
-        fields.setdefault(key.rsplit("/", 1)[-1], []).append(key)
     figures = []
-    for name, members in fields.items():
+    for name, members in _summary_fields(sweep, finished).items():
         fig = go.Figure()
         if x_name is None:
-            xs = [k.rsplit("/", 1)[0] if "/" in k else k for k in members]
-            stats = [_spread([r.summary[k] for r in finished if k in r.summary]) for k in members]
-            fig.add_trace(go.Scatter(x=xs, y=[m for m, _, _ in stats], mode="markers",
-                                     name=name, error_y=dict(type="data", symmetric=False,
-                                                             arrayminus=[lo for _, lo, _ in stats],
-                                                             array=[hi for _, _, hi in stats])))
-            fig.update_xaxes(type="category")
+            _prefix_points(fig, name, members, finished)
         else:
-            for key in members:
-                prefix = [key.rsplit("/", 1)[0]] if "/" in key else []
-                lines: dict[str, dict] = {}
-                for run in finished:
-                    if key in run.summary:
-                        label = ", ".join(prefix + [f"{k}={run.values[k]}" for k in others])
-                        lines.setdefault(label or name, {}).setdefault(
-                            run.values[x_name], []).append(run.summary[key])
-                for label, points in lines.items():
-                    stats = [_spread(v) for v in points.values()]
-                    fig.add_trace(go.Scatter(
-                        x=list(points), y=[m for m, _, _ in stats], name=label,
-                        mode="lines+markers", error_y=dict(
-                            type="data", symmetric=False, arrayminus=[lo for _, lo, _ in stats],
-                            array=[hi for _, _, hi in stats])))
+            _grid_lines(fig, name, members, finished, x_name, others)
             if any(isinstance(v, str) for v in sweep.grid[x_name]):
                 fig.update_xaxes(type="category")
         fig.update_layout(title=name, xaxis_title=x_name or "run", yaxis_title=name, height=380,

@@ -1,0 +1,155 @@
+"""Training runs for the notebooks: where they write, and the experiments they run.
+
+`compare` trains several algorithms on the same prompts; `group_size_runs` sweeps GRPO's
+group size at an equal sample budget or prompt count; `live_training` runs GRPO and PPO
+side by side for a live figure. Each run writes its own folder inside the notebook's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+
+import torch
+
+from labkit import rundir
+from labkit.config import TrainConfig
+from labkit.trainer import RunResult, StepReport, train
+
+BUDGETS = ("samples", "prompts", "both")  # B*G fixed / B fixed / the two sweeps
+NOTEBOOK_DEFAULTS = dict(progress=False)  # no progress bars in notebook outputs
+
+
+def setup(threads: int = 1) -> None:
+    """Torch on `threads` CPU threads (the embedded model's 128-wide matrices are too small
+    to share; on a busy machine extra threads mostly wait, several times slower), and no
+    transformers progress bars (widgets in every cell that loads or saves a model)."""
+    from transformers.utils import logging as hf_logging
+
+    torch.set_num_threads(threads)
+    hf_logging.disable_progress_bar()
+
+
+def project_root(start: str | Path | None = None) -> Path:
+    """The nearest folder at or above `start` (default: the cwd) holding a labkit checkout
+    (pyproject.toml next to labkit/), else the cwd itself. Notebooks run from notebooks/
+    therefore write to the checkout's experiments/runs/, never into notebooks/."""
+    here = Path(start or Path.cwd()).resolve()
+    for folder in (here, *here.parents):
+        if (folder / "pyproject.toml").is_file() and (folder / "labkit").is_dir():
+            return folder
+    return here
+
+
+def resolve_run_dir(run_dir: str, stem: str) -> Path:
+    """The notebook's output folder: `run_dir` when given (created if missing), else a new
+    `experiments/runs/<stem>/<date-time>-<pid>` under the project root."""
+    if run_dir:
+        path = Path(run_dir).expanduser()
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+    return rundir.new_run_dir(stem, root=project_root() / rundir.RUNS_ROOT)
+
+
+def fresh_dir(path: str | Path) -> Path:
+    """`path`, or `path-2`, `path-3`, ... when it already holds files (a re-run)."""
+    path = Path(path)
+    candidate, k = path, 1
+    while candidate.exists() and any(candidate.iterdir()):
+        k += 1
+        candidate = path.with_name(f"{path.name}-{k}")
+    return candidate
+
+
+def parse_list(text: str, kind: type = str) -> list:
+    """"grpo,ppo" -> ["grpo", "ppo"]; "2,4,8" with kind=int -> [2, 4, 8]."""
+    items = [item.strip() for item in str(text).split(",") if item.strip()]
+    if not items:
+        raise ValueError(f"expected a comma-separated list, got {text!r}")
+    try:
+        return [kind(item) for item in items]
+    except ValueError as e:
+        raise ValueError(f"every item of {text!r} must be a {kind.__name__}") from e
+
+
+def run_config(run_dir: str | Path, **values) -> TrainConfig:
+    """A TrainConfig writing to a fresh `run_dir`, with the notebook defaults."""
+    return TrainConfig(run_dir=str(fresh_dir(run_dir)), **{**NOTEBOOK_DEFAULTS, **values})
+
+
+def compare(algos: Iterable[str], *, run_dir: str | Path, seed: int = 0,
+            callbacks: Sequence[Callable[[StepReport], None]] = (),
+            **overrides) -> dict[str, RunResult]:
+    """Train each algorithm with the same config and seed, one after the other.
+
+    The same seed draws the same B prompts at every step for every algorithm, and both
+    sample B x G completions a step (PPO samples G per prompt too), so the runs see the same
+    prompts with the same sample budget. Each run writes `run_dir/<algo>/`.
+    """
+    results = {}
+    for algo in algos:
+        config = run_config(Path(run_dir) / algo, algo=algo, seed=seed, **overrides)
+        results[algo] = train(config, callbacks=callbacks)
+    return results
+
+
+def batch_prompts_for(budget: str, group_size: int, samples_per_step: int,
+                      group_sizes: Sequence[int]) -> int:
+    """B for one run of the sweep: samples_per_step / G ("samples"), or the same B for every G,
+    samples_per_step / max(G), so the largest group samples samples_per_step ("prompts")."""
+    if budget == "samples":
+        if samples_per_step % group_size:
+            raise ValueError(f"samples_per_step={samples_per_step} must be a multiple of every "
+                             f"G for an equal sample budget; G={group_size} does not divide it")
+        return samples_per_step // group_size
+    if budget == "prompts":
+        if samples_per_step < max(group_sizes):
+            raise ValueError(f"samples_per_step={samples_per_step} must be >= the largest G "
+                             f"({max(group_sizes)}) to give every run at least one prompt")
+        return samples_per_step // max(group_sizes)
+    raise ValueError(f"budget must be one of {BUDGETS}, got {budget!r}")
+
+
+def group_size_runs(group_sizes: Sequence[int], budget: str, samples_per_step: int, *,
+                    run_dir: str | Path, seed: int = 0, **overrides) -> dict[str, RunResult]:
+    """GRPO at each G, at an equal sample budget, an equal prompt count, or both.
+
+    Run names are "<budget>/G=<G>" (e.g. "samples/G=4"); each writes `run_dir/<budget>-G<G>/`.
+    """
+    if budget not in BUDGETS:
+        raise ValueError(f"budget must be one of {BUDGETS}, got {budget!r}")
+    if any(g < 2 for g in group_sizes):
+        raise ValueError("GRPO needs every group size >= 2 to compare completions, got "
+                         f"{list(group_sizes)}")
+    results = {}
+    for b in (("samples", "prompts") if budget == "both" else (budget,)):
+        for G in group_sizes:
+            B = batch_prompts_for(b, G, samples_per_step, group_sizes)
+            config = run_config(Path(run_dir) / f"{b}-G{G}", algo="grpo", seed=seed,
+                                group_size=G, batch_prompts=B, **overrides)
+            results[f"{b}/G={G}"] = train(config)
+    return results
+
+
+def live_training(live: Callable[[StepReport], None], *, run_dir: str | Path,
+                  estimator: str = "grpo", seed: int = 0, **overrides) -> dict[str, RunResult]:
+    """A GRPO run with `estimator`, then a PPO run of the same seed (same prompts each step),
+    both reporting every step to `live` (a `plots.LivePlot`); evaluation only before the first
+    and after the last step. Runs write `run_dir/<estimator>[-k]/` and `run_dir/ppo[-k]/`."""
+    steps = overrides.get("steps", TrainConfig.steps)
+    shared = dict(seed=seed, eval_every=steps, **overrides)
+    grpo = run_config(Path(run_dir) / estimator, algo="grpo", estimator=estimator, **shared)
+    ppo = run_config(Path(run_dir) / "ppo", algo="ppo", **shared)
+    return {estimator: train(grpo, callbacks=[live]), "ppo": train(ppo, callbacks=[live])}
+
+
+def histories(results: Mapping[str, RunResult]) -> dict[str, list[dict]]:
+    """Each run's step records tagged with `run`, its B and G, and `samples`, the
+    completions sampled up to and including that step (B*G per step)."""
+    out = {}
+    for name, result in results.items():
+        c = result.config
+        tags = {"run": name, "algo": c.algo, "group_size": c.group_size,
+                "batch_prompts": c.batch_prompts}
+        out[name] = [{**tags, "samples": r["step"] * c.rows, **r} for r in result.history]
+    return out

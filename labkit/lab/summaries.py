@@ -1,0 +1,177 @@
+"""What a notebook reports: one row per run, the sentence that reads the rows, and the
+`summary.json` + `metrics.jsonl` pair it leaves in its run directory."""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from functools import lru_cache
+from pathlib import Path
+
+from labkit import rundir
+from labkit.config import TrainConfig
+from labkit.lab.experiments import histories
+from labkit.trainer import RunResult
+
+
+def _values(history: Sequence[dict], key: str, first: int = 1) -> list[float]:
+    """The finite values of `key` in the records from step `first` on."""
+    return [r[key] for r in history if r.get("step", 0) >= first
+            and isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
+
+
+def _mean(values: Sequence[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+@lru_cache(maxsize=8)
+def _parameter_counts(model: str | None) -> tuple[int, int, int]:
+    """(policy parameters, backbone parameters, hidden size) of a model."""
+    from labkit.models import load
+
+    policy, _ = load(model, device="cpu", dtype="fp32")
+    backbone = sum(p.numel() for p in policy.base_model.parameters())
+    return sum(p.numel() for p in policy.parameters()), backbone, policy.config.hidden_size
+
+
+def state_mb(config: TrainConfig) -> float:
+    """Training state in MiB at fp32: the policy with its gradients and two AdamW moments
+    (4 copies), the frozen reference when beta > 0 (1 copy), and PPO's critic, a backbone
+    copy with a value head (4 copies). Activations are not counted; on a GPU
+    `perf/mem_mb` measures everything."""
+    policy, backbone, hidden = _parameter_counts(config.model)
+    floats = 4 * policy + (policy if config.beta > 0 else 0)
+    if config.algo == "ppo":
+        floats += 4 * (backbone + hidden + 1)
+    return floats * 4 / 2**20
+
+
+def summary_rows(results: Mapping[str, RunResult]) -> list[dict]:
+    """One row per run: accuracy before/after, final reward, cost, and the mean over steps
+    of KL, entropy, clip fractions, GAV and the advantage variance (missing keys left out)."""
+    rows = []
+    for name, result in results.items():
+        h, c = result.history, result.config
+        rewards = _values(h, "rollout/reward_mean")
+        tail = rewards[-max(1, len(rewards) // 5):]
+        row = {"run": name, "algo": c.algo, "group_size": c.group_size,
+               "batch_prompts": c.batch_prompts, "steps": result.steps,
+               "accuracy_before": result.accuracy_before, "accuracy_after": result.accuracy_after,
+               "final_reward": _mean(tail), "step_s": statistics.median(_values(h, "perf/step_s")),
+               "mem_mb": max(_values(h, "perf/mem_mb")), "state_mb": state_mb(c),
+               "wall_s": result.wall_s}
+        means = {"kl": "policy/kl", "entropy": "policy/entropy", "clip_low": "clip/low",
+                 "clip_high": "clip/high", "gav": "adv/gav",
+                 "frac_zero_std": "rollout/frac_zero_std"}
+        row |= {k: _mean(_values(h, key)) for k, key in means.items()}
+        row["adv_var"] = _mean([s * s for s in _values(h, "adv/std")])
+        rows.append({k: v for k, v in row.items() if v is not None})
+    return rows
+
+
+def sweep_rows(results: Mapping[str, RunResult]) -> list[dict]:
+    """`summary_rows` of a group-size sweep, with each run's budget (its name's prefix)."""
+    return [{"budget": row["run"].split("/")[0], **row} for row in summary_rows(results)]
+
+
+def flat_summary(rows: Sequence[dict], **extra) -> dict:
+    """summary.json's dict: `extra` first, then "<run>/<field>" for every number of every row."""
+    out = dict(extra)
+    for row in rows:
+        for key, value in row.items():
+            if key != "run" and isinstance(value, (int, float)) and math.isfinite(value):
+                out[f"{row['run']}/{key}"] = round(value, 6) if isinstance(value, float) else value
+    return out
+
+
+def _se(p: float, n: int) -> float:
+    """Binomial standard error of an accuracy p measured on n problems."""
+    return math.sqrt(max(p * (1 - p), 0.0) / max(n, 1))
+
+
+def describe(rows: Sequence[dict], eval_n: int) -> str:
+    """A sentence from the numbers: who ended with the higher held-out accuracy, by how much
+    against the noise of `eval_n` problems, and at what cost per step and in state memory."""
+    if not rows:
+        return "No run finished."
+    ranked = sorted(rows, key=lambda r: r["accuracy_after"], reverse=True)
+    a = ranked[0]
+    text = (f"{a['run']} went from held-out accuracy {a['accuracy_before']:.2f} to "
+            f"{a['accuracy_after']:.2f} in {a['steps']} steps of {a['batch_prompts']}x"
+            f"{a['group_size']} samples at {a['step_s']:.3f} s a step")
+    if len(ranked) == 1:
+        return text + "."
+    b = ranked[-1]
+    diff = a["accuracy_after"] - b["accuracy_after"]
+    se = math.hypot(_se(a["accuracy_after"], eval_n), _se(b["accuracy_after"], eval_n))
+    verdict = "beyond" if diff > 2 * se else "within"
+    return (f"{text}; {b['run']} went from {b['accuracy_before']:.2f} to "
+            f"{b['accuracy_after']:.2f} at {b['step_s']:.3f} s a step. The gap of {diff:.2f} is "
+            f"{verdict} two standard errors ({2 * se:.2f}) of {eval_n} held-out problems. "
+            f"{_cost(a, b)}")
+
+
+def _cost(a: dict, b: dict) -> str:
+    """How much longer the slower run's step took, and how much larger its training state."""
+    slow, fast = (a, b) if a["step_s"] >= b["step_s"] else (b, a)
+    big, small = (a, b) if a["state_mb"] >= b["state_mb"] else (b, a)
+    return (f"A {slow['run']} step took {slow['step_s'] / fast['step_s']:.2f}x as long as a "
+            f"{fast['run']} step ({slow['step_s']:.3f} vs {fast['step_s']:.3f} s), and the "
+            f"{big['run']} training state {big['state_mb'] / small['state_mb']:.2f}x the memory "
+            f"of the {small['run']} one ({big['state_mb']:.1f} vs {small['state_mb']:.1f} MiB).")
+
+
+def describe_sweep(rows: Sequence[dict], eval_n: int) -> str:
+    """A sentence per budget of a group-size sweep: the best G, how the zero-std fraction
+    and the step time move from the smallest to the largest G."""
+    sentences = []
+    for budget in dict.fromkeys(r["run"].split("/")[0] for r in rows):
+        members = sorted((r for r in rows if r["run"].startswith(budget + "/")),
+                         key=lambda r: r["group_size"])
+        best = max(members, key=lambda r: r["accuracy_after"])
+        lo, hi = members[0], members[-1]
+        accuracies = [r["accuracy_after"] for r in members]
+        spread = max(accuracies) - min(accuracies)
+        sentences.append(
+            f"At an equal {'sample budget' if budget == 'samples' else 'prompt count'}, "
+            f"G={best['group_size']} ended highest ({best['accuracy_after']:.2f}; the spread "
+            f"over G is {spread:.2f} against a standard error of about "
+            f"{_se(best['accuracy_after'], eval_n):.2f} per run); from G={lo['group_size']} to "
+            f"G={hi['group_size']} the zero-std fraction went from {lo['frac_zero_std']:.2f} "
+            f"to {hi['frac_zero_std']:.2f} and a step from {lo['step_s']:.3f} s to "
+            f"{hi['step_s']:.3f} s.")
+    return " ".join(sentences)
+
+
+def _finite(value):
+    """JSON-safe: non-finite floats become None (strict JSON has no NaN)."""
+    return None if isinstance(value, float) and not math.isfinite(value) else value
+
+
+def write_outputs(run_dir: str | Path, summary: Mapping,
+                  records: Mapping[str, Sequence[dict]] | Sequence[dict]) -> tuple[Path, Path]:
+    """Write `metrics.jsonl` (runs' records one after the other), then `summary.json`, into
+    `run_dir`; returns their paths. A re-run in the same notebook overwrites both.
+
+    summary.json is what marks a sweep's run complete, so it comes last and atomically: a
+    notebook killed while writing leaves no summary, and the sweep runs it again."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    lines = [r for rs in records.values() for r in rs] if isinstance(records, Mapping) \
+        else list(records)
+    summary_path, metrics_path = run_dir / "summary.json", run_dir / "metrics.jsonl"
+    metrics_path.write_text("".join(json.dumps({k: _finite(v) for k, v in r.items()}) + "\n"
+                                    for r in lines), encoding="utf-8")
+    rundir.write_json(summary_path, {k: _finite(v) for k, v in summary.items()})
+    return summary_path, metrics_path
+
+
+def live_outputs(run_dir: str | Path, results: Mapping[str, RunResult], **params) -> dict:
+    """summary.json (params, every run's summary row, the sentence) and metrics.jsonl of a
+    live session; returns the summary."""
+    rows = summary_rows(results)
+    summary = flat_summary(rows, **params, description=describe(rows, params.get("eval_n", 0)))
+    write_outputs(run_dir, summary, histories(results))
+    return summary
