@@ -1,5 +1,5 @@
 """`python -m labkit bench`: its inputs, its arithmetic, and one end-to-end run at toy scale
-(the figures themselves are the README's, measured on a quiet machine)."""
+(the figures themselves are in docs/performance.md, with the machine they were measured on)."""
 
 import json
 import math
