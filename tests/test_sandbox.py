@@ -311,18 +311,34 @@ REBIND = ("import __main__, builtins, posix\n"
           "for name, value in list(vars(__main__).items()):\n"
           "    if callable(value) and value is not nothing:\n"
           "        setattr(__main__, name, nothing)\n"
-          "builtins.isinstance = lambda *args: True\n"
+          "builtins.isinstance = builtins.issubclass = lambda *args: True\n"
           "posix.lstat = nothing\n")
 
 
 def test_rebinding_the_sandbox_names_does_not_switch_the_hook_off(layers, tmp_path):
     """The child's functions live in `__main__` and use builtins, both of which the program
     can rebind; the hook runs private copies (a no-op `check` in `__main__`, or an
-    `isinstance` that says every path is a file descriptor, would let this write through)."""
+    `issubclass` that says every path is a file descriptor, would let this write through)."""
     marker = tmp_path / "marker"
     result = _blocked(REBIND + f"open({str(marker)!r}, 'w').write('escaped')", layers)
     assert "writing" in result.detail
     _blocked(REBIND + "import os\nos.mknod('fifo')", layers)
+    assert not marker.exists()
+
+
+def test_no_code_of_the_program_runs_inside_the_hook(layers, tmp_path):
+    """An object whose `__class__` is a property, passed in an audit event: a hook that
+    asked isinstance() about it would run the property, inside the hook, where the hook's
+    own events are not checked."""
+    marker = tmp_path / "marker"
+    _blocked("import os, sys\n"
+             "class Sneaky:\n"
+             "    @property\n"
+             "    def __class__(self):\n"
+             f"        os.system('touch {marker}')\n"
+             "        return Sneaky\n"
+             "sys.audit('open', Sneaky(), None, 0)", layers)
+    time.sleep(0.05)
     assert not marker.exists()
 
 

@@ -123,10 +123,12 @@ def install_guard(job: dict) -> None:
 # ------------------------------------------------------------ the audit hook's functions
 
 def text(value):
-    """An exact str copy of a str or bytes (no method of a subclass runs), else None."""
-    if isinstance(value, str):
+    """An exact str copy of a str or bytes (no method of a subclass runs), else None.
+    Types are tested with issubclass(type(value), ...) throughout the hook: isinstance
+    would read a `__class__` attribute, which the program can make a property."""
+    if issubclass(type(value), str):
         return str.__str__(value)
-    if isinstance(value, bytes):
+    if issubclass(type(value), bytes):
         return bytes.decode(value, "utf-8", "surrogateescape")
     return None
 
@@ -207,7 +209,7 @@ def deny(rules, what: str):
 
 
 def require(rules, event: str, value, dir_fd, roots, what: str):
-    if isinstance(value, int):  # an open file descriptor
+    if issubclass(type(value), int):  # an open file descriptor
         return
     path = resolve(value, dir_fd)
     if path is None or not under(path, roots):
@@ -216,7 +218,7 @@ def require(rules, event: str, value, dir_fd, roots, what: str):
 
 def check_open(rules, args):
     value, flags = args[0], args[2]
-    if isinstance(value, int):
+    if issubclass(type(value), int):
         return
     if type(flags) is not int:
         deny(rules, "open with unusual flags")
