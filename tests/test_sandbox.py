@@ -22,6 +22,7 @@ import time
 import pytest
 
 from labkit import sandbox
+from labkit.sandbox import launch
 from labkit.sandbox import (OUTPUT_LIMIT, code_reward, extract_code, isolation,
                             make_code_reward, run_program)
 
@@ -46,8 +47,8 @@ def no_leftover_workdirs():
 def layers(request, monkeypatch):
     """Run a test with the isolation this machine gives, then with the audit hook alone."""
     if request.param == "audit hook only":
-        plain = sandbox._Launch((), None, os.geteuid(), False)
-        monkeypatch.setattr(sandbox, "_launcher", lambda python: plain)
+        plain = launch.Launch((), None, os.geteuid(), False)
+        monkeypatch.setattr(launch, "launcher", lambda python: plain)
     return request.param
 
 
@@ -303,6 +304,76 @@ def test_negative_control_exit_code_says_success(tmp_path):
 ])
 def test_tampering_with_the_interpreter_is_blocked(layers, code):
     _blocked(code, layers)
+
+
+REBIND = ("import __main__, builtins, posix\n"
+          "def nothing(*args, **kwargs):\n    return None\n"
+          "for name, value in list(vars(__main__).items()):\n"
+          "    if callable(value) and value is not nothing:\n"
+          "        setattr(__main__, name, nothing)\n"
+          "builtins.isinstance = builtins.issubclass = lambda *args: True\n"
+          "posix.lstat = nothing\n")
+
+
+def test_rebinding_the_sandbox_names_does_not_switch_the_hook_off(layers, tmp_path):
+    """The child's functions live in `__main__` and use builtins, both of which the program
+    can rebind; the hook runs private copies (a no-op `check` in `__main__`, or an
+    `issubclass` that says every path is a file descriptor, would let this write through)."""
+    marker = tmp_path / "marker"
+    result = _blocked(REBIND + f"open({str(marker)!r}, 'w').write('escaped')", layers)
+    assert "writing" in result.detail
+    _blocked(REBIND + "import os\nos.mknod('fifo')", layers)
+    assert not marker.exists()
+
+
+def test_no_code_of_the_program_runs_inside_the_hook(layers, tmp_path):
+    """An object whose `__class__` is a property, passed in an audit event: a hook that
+    asked isinstance() about it would run the property, inside the hook, where the hook's
+    own events are not checked."""
+    marker = tmp_path / "marker"
+    _blocked("import os, sys\n"
+             "class Sneaky:\n"
+             "    @property\n"
+             "    def __class__(self):\n"
+             f"        os.system('touch {marker}')\n"
+             "        return Sneaky\n"
+             "sys.audit('open', Sneaky(), None, 0)", layers)
+    time.sleep(0.05)
+    assert not marker.exists()
+
+
+def test_the_hook_looks_up_no_module_attribute():
+    """The rule `seal` relies on, checked: every global name the hook's functions load is
+    one of them, a built-in, or a value taken at start-up, never a module (whose
+    attributes the program can rebind) nor another Python function (which would look its
+    own names up in `__main__`)."""
+    import builtins
+    import dis
+    import types
+
+    from labkit.sandbox import child
+    hook = {function.__name__ for function in child.HOOK_FUNCTIONS}
+
+    def global_names(code):
+        for instruction in dis.get_instructions(code):
+            if instruction.opname == "LOAD_GLOBAL":
+                yield instruction.argval
+        for const in code.co_consts:
+            if isinstance(const, types.CodeType):
+                yield from global_names(const)
+
+    for function in child.HOOK_FUNCTIONS:
+        for name in global_names(function.__code__):
+            assert name in vars(child) or name in vars(builtins), (function.__name__, name)
+            value = vars(child).get(name, vars(builtins).get(name))
+            assert not isinstance(value, types.ModuleType), (function.__name__, name)
+            assert name in hook or not isinstance(value, types.FunctionType), \
+                (function.__name__, name)
+    sealed = child.seal(child.HOOK_FUNCTIONS)
+    for name in hook:
+        assert sealed[name].__globals__ is sealed and sealed[name] is not vars(child)[name]
+    assert sealed["__builtins__"] is not vars(builtins) and sealed["check"].__builtins__ is \
+        sealed["__builtins__"]
 
 
 def test_fresh_posix_module_cannot_be_built():
