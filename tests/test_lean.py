@@ -340,7 +340,7 @@ def test_a_reference_held_in_bf16_matches_its_model_forward(tiny):
         theirs, _ = token_logprobs(reference, batch, forward=model_forward)
     mask = batch.completion_mask.bool()
     assert (ours - theirs)[mask].abs().mean() < 0.02
-    assert "_lean_weights" not in reference.__dict__  # nothing cast, nothing kept
+    assert "_fast_weights" not in reference.__dict__  # nothing cast, nothing kept
 
 
 @pytest.mark.parametrize("algo", ["grpo", "ppo"])

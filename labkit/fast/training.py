@@ -48,7 +48,7 @@ def _layer_weights(model, dtype) -> list[tuple]:
         frozen = False  # already in the compute dtype: no cast to keep, no copy to make
     if frozen:
         key = (dtype, tuple(p._version for p in params), tuple(p.data_ptr() for p in params))
-        cached = model.__dict__.get("_lean_weights")
+        cached = model.__dict__.get("_fast_weights")
         if cached is not None and cached[0] == key:
             return cached[1]
     layers = []
@@ -64,7 +64,7 @@ def _layer_weights(model, dtype) -> list[tuple]:
                            attn.o_proj.weight, attn.o_proj.bias, mlp.down_proj.weight,
                            mlp.down_proj.bias))
     if frozen:
-        model.__dict__["_lean_weights"] = (key, layers)
+        model.__dict__["_fast_weights"] = (key, layers)
     return layers
 
 
