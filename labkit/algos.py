@@ -21,7 +21,7 @@ from labkit import losses
 from labkit.config import TrainConfig
 from labkit.metrics import masked_mean
 from labkit.rollout import RolloutBatch
-from labkit.scoring import token_logprobs, token_values
+from labkit.scoring import FAST_PASSES, Passes, token_logprobs, token_values
 
 
 @dataclass
@@ -50,6 +50,8 @@ class Learner:
     critic: torch.nn.Module | None = None
     critic_optimizer: torch.optim.Optimizer | None = None
     critic_scheduler: object = None
+    passes: Passes = FAST_PASSES
+    """How the policy, the reference and the critic run (`TrainConfig.lean`)."""
 
 
 def group_advantages(config: TrainConfig, rewards: Tensor) -> Tensor:
@@ -105,7 +107,7 @@ def policy_terms(config: TrainConfig, learner: Learner, batch: RolloutBatch, mic
     want_entropy_grad = config.entropy_coef > 0
     logp, ent = token_logprobs(learner.policy, batch, micro, temperature=config.temperature,
                                with_entropy=True, entropy_grad=want_entropy_grad,
-                               share_prompt=config.share_prompt, lean=config.lean)
+                               share_prompt=config.share_prompt, forward=learner.passes.lm)
     mask = batch.completion_mask[micro]
     agg = dict(agg=config.agg, max_len=config.max_new_tokens)
     A = advantages[micro]
@@ -174,7 +176,7 @@ def _reference_logprobs(config: TrainConfig, learner: Learner, batch: RolloutBat
     # inference mode: no autograd bookkeeping on the frozen model's operations
     with torch.inference_mode(), learner.accelerator.autocast():
         logp, _ = token_logprobs(learner.reference, batch, temperature=config.temperature,
-                                 share_prompt=config.share_prompt, lean=config.lean)
+                                 share_prompt=config.share_prompt, forward=learner.passes.lm)
     return logp.clone()  # an ordinary tensor, which the loss may keep for its backward
 
 

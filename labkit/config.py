@@ -152,7 +152,8 @@ class TrainConfig:
     lean: bool = True
     """Run Llama, Mistral, Qwen2 and Qwen3 models through labkit.fast's hand-written
     forward and decoder (the same numbers up to float rounding, with far less per-call
-    overhead); False, or any other architecture, uses the model's own forward."""
+    overhead); False, or any other architecture, uses the model's own forward. Read once,
+    by trainer.build_learner (labkit.scoring.FAST_PASSES or MODEL_PASSES)."""
     progress: bool = True
     """Show a progress bar."""
 

@@ -11,18 +11,14 @@ that call `model.generate` with `num_return_sequences=G` prefill every prompt G 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from labkit import fast as _lean
+from labkit import fast
 from labkit.tasks import format_prompt
-
-SHARED_PREFIX_MIN_TOKENS = 64
-"""Prompt length (padded) from which the lean decoder reads each prompt's keys once per group
-by default: below it, the extra operations cost more than the memory they save."""
 
 
 @dataclass
@@ -194,11 +190,23 @@ def _check(group_size, max_new_tokens, temperature, top_k, top_p, greedy):
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
 
 
+def model_decoder(model, prompt_ids: Tensor, group_size: int) -> ModelDecoder:
+    """Decode with the model's own forward (the plain path, for any architecture)."""
+    return ModelDecoder(model)
+
+
+fast_decoder = fast.decoder_or(model_decoder)
+"""Decode with `labkit.fast.Decoder` where it covers the model (Llama, Mistral, Qwen2, Qwen3),
+else with `model_decoder`: the same tokens up to float rounding. Under autocast it computes
+in the autocast dtype (in fp32 for a small model on a CPU), and it attends over each prompt's
+keys once per group when the prompt is long enough for that to pay."""
+
+
 @torch.no_grad()
 def rollout(model, tokenizer, prompts: Sequence[str], *, group_size: int,
             max_new_tokens: int = 16, temperature: float = 1.0, top_k: int = 0,
             top_p: float = 1.0, greedy: bool = False, seed: int | None = None,
-            lean: bool = True, shared_prefix: bool | None = None) -> RolloutBatch:
+            decoder: Callable = fast_decoder) -> RolloutBatch:
     """Sample `group_size` completions for each prompt.
 
     Each prompt is prefilled once; its KV cache is repeated G times and the N rows decode
@@ -207,13 +215,8 @@ def rollout(model, tokenizer, prompts: Sequence[str], *, group_size: int,
     `old_logprobs` are the log-probs under softmax(logits / temperature) without the top-k /
     top-p cut, the policy that the update's ratio compares against (as TRL and verl do).
     `seed` makes the draws repeatable; None uses torch's global generator.
-
-    `lean` decodes with `labkit.fast.Decoder` where the model allows it (Llama, Mistral,
-    Qwen2, Qwen3), else with the model's own forward; both give the same tokens up to float
-    rounding. Under autocast the lean decoder computes in the autocast dtype (in fp32 for a
-    small model on a CPU, `CPU_LOW_PRECISION_MIN_PARAMS`). `shared_prefix`
-    (lean only) attends over each prompt's keys once per group rather than once per row; None
-    chooses it when the prompt is long enough for that to pay (`SHARED_PREFIX_MIN_TOKENS`).
+    `decoder(model, prompt_ids, group_size)` starts the decoding: `fast_decoder` (default)
+    or `model_decoder`, or e.g. `labkit.fast.decoder_or(model_decoder, shared_prefix=True)`.
     """
     _check(group_size, max_new_tokens, temperature, top_k, top_p, greedy)
     device = next(model.parameters()).device
@@ -223,58 +226,58 @@ def rollout(model, tokenizer, prompts: Sequence[str], *, group_size: int,
     if seed is not None:
         generator = torch.Generator(device=device).manual_seed(seed)
     prompt_ids, prompt_mask = encode_prompts(tokenizer, prompts, device)
-    G, T = group_size, max_new_tokens
-    if lean and _lean.unsupported(model) is None:
-        if shared_prefix is None:
-            shared_prefix = G > 1 and prompt_ids.shape[1] >= SHARED_PREFIX_MIN_TOKENS
-        engine = _lean.Decoder(model, _compute_dtype(device, model), shared_prefix=shared_prefix,
-                               checked=True)
-    else:
-        engine = _ModelDecoder(model)
+    engine = decoder(model, prompt_ids, group_size)
     stop_ids = torch.tensor(stop, device=device)
 
     def is_stop(ids: Tensor) -> Tensor:
         return (ids == stop_ids[0]) if len(stop) == 1 else torch.isin(ids, stop_ids)
 
-    steps_logps, steps_tokens = [], []
+    def draw(logits: Tensor) -> tuple[Tensor, Tensor]:
+        scaled = logits if greedy or temperature == 1.0 else logits / temperature
+        token = scaled.argmax(-1) if greedy else \
+            sample(filter_logits(scaled, top_k, top_p), generator)
+        return token, scaled.log_softmax(-1).gather(-1, token[:, None])
+
     try:
-        # the model runs in inference mode: no autograd bookkeeping on a decode step's
-        # ~100 small operations; what leaves this function is made of ordinary tensors
-        with torch.inference_mode():
-            logits = engine.prefill(prompt_ids, prompt_mask, G, T)  # (N, V)
-        done = torch.zeros(logits.shape[0], dtype=torch.bool, device=device)
-        for step in range(T):
-            scaled = logits if greedy or temperature == 1.0 else logits / temperature
-            if greedy:
-                token = scaled.argmax(-1)
-            else:
-                token = sample(filter_logits(scaled, top_k, top_p), generator)
-            # a row that has ended keeps decoding (its tokens are masked below): rows are
-            # independent, so this changes no other row and saves maskings per step
-            steps_tokens.append(token)
-            steps_logps.append(scaled.log_softmax(-1).gather(-1, token[:, None]))
-            done |= is_stop(token)
-            if step == T - 1 or bool(done.all()):
-                break
-            with torch.inference_mode():
-                logits = engine.step(token)
+        raw, logps = _decode(engine, prompt_ids, prompt_mask, group_size, max_new_tokens, draw,
+                             is_stop)
     finally:
         engine.close()
-    raw = torch.stack(steps_tokens, dim=1)  # (N, T)
     stops = is_stop(raw)
     # real tokens: up to and including each row's first stop token
     real = (stops.cumsum(-1) - stops.long()) == 0
     completion_ids = raw.masked_fill(~real, pad)
-    completion_mask = real.long()  # (N, T)
-    old_logprobs = torch.cat(steps_logps, dim=1).masked_fill(~real, 0.0)  # (N, T) fp32
-    # a row finished when its last real token is a stop token (else it ran out of budget)
-    finished = stops.any(-1)
-    texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
     return RolloutBatch(
         prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids,
-        completion_mask=completion_mask, old_logprobs=old_logprobs,
-        texts=texts, group_index=torch.arange(len(prompts), device=device).repeat_interleave(G),
-        finished=finished, group_size=G)
+        completion_mask=real.long(), old_logprobs=logps.masked_fill(~real, 0.0),
+        texts=tokenizer.batch_decode(completion_ids, skip_special_tokens=True),
+        group_index=torch.arange(len(prompts), device=device).repeat_interleave(group_size),
+        # a row finished when its last real token is a stop token (else it ran out of budget)
+        finished=stops.any(-1), group_size=group_size)
+
+
+def _decode(engine, prompt_ids: Tensor, prompt_mask: Tensor, G: int, T: int, draw,
+            is_stop) -> tuple[Tensor, Tensor]:
+    """Raw tokens (N, T') and their fp32 log-probs (N, T'), T' <= T: prefill, then one step
+    per token until every row has drawn a stop token or T tokens."""
+    steps_logps, steps_tokens = [], []
+    # the model runs in inference mode: no autograd bookkeeping on a decode step's
+    # ~100 small operations; what leaves this function is made of ordinary tensors
+    with torch.inference_mode():
+        logits = engine.prefill(prompt_ids, prompt_mask, G, T)  # (N, V)
+    done = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
+    for step in range(T):
+        token, logp = draw(logits)
+        # a row that has ended keeps decoding (its tokens are masked later): rows are
+        # independent, so this changes no other row and saves maskings per step
+        steps_tokens.append(token)
+        steps_logps.append(logp)
+        done |= is_stop(token)
+        if step == T - 1 or bool(done.all()):
+            break
+        with torch.inference_mode():
+            logits = engine.step(token)
+    return torch.stack(steps_tokens, dim=1), torch.cat(steps_logps, dim=1)  # (N, T')
 
 
 def sample(logits: Tensor, generator: torch.Generator | None = None) -> Tensor:
@@ -290,25 +293,7 @@ def sample(logits: Tensor, generator: torch.Generator | None = None) -> Tensor:
     return uniform.log_().div_(probs).argmax(-1)
 
 
-CPU_LOW_PRECISION_MIN_PARAMS = 4_000_000
-"""On a CPU, the lean decoder computes in fp32 under bf16 autocast when the model has fewer
-parameters than this: its weights then sit in the caches and bf16 saves no memory traffic,
-while bf16 products of this size run slower than fp32 ones (a decode step of the embedded
-0.4 M-parameter model: about 1.0 ms in bf16 against 0.8 ms in fp32; the 26 M-parameter
-benchmark model: 18 ms against 34 ms)."""
-
-
-def _compute_dtype(device: torch.device, model) -> torch.dtype:
-    """The dtype of the rollout's matrix products: autocast's when it is on (except for a
-    small model on a CPU, `CPU_LOW_PRECISION_MIN_PARAMS`), else the model's."""
-    held = next(model.parameters()).dtype
-    if device.type == "cpu" and held == torch.float32 and \
-            sum(p.numel() for p in model.parameters()) < CPU_LOW_PRECISION_MIN_PARAMS:
-        return torch.float32
-    return _lean.compute_dtype(model)
-
-
-class _ModelDecoder:
+class ModelDecoder:
     """Prefill and decode through the model's own forward and transformers' KV cache (the
     path for architectures `labkit.fast` does not cover, and the reference it is tested
     against): the prompt's cache repeated over the group, reserved for the whole completion."""

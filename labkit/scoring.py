@@ -13,21 +13,24 @@ completions against it. The gradient that reaches the prompt's keys and values f
 completions is summed by the indexing's backward, so the parameters get the same gradient
 as on the plain path.
 
-Either path runs a supported model (Llama, Mistral, Qwen2, Qwen3) through `labkit.fast`'s
-hand-written forward unless `lean=False`; its cache is then a `labkit.fast.LeanCache`.
+How a model runs is a `Forward` (`run(ids, mask, positions, cache, keep)`): `model_forward`
+is the model's own; `fast_forward` runs a supported model (Llama, Mistral, Qwen2, Qwen3)
+through `labkit.fast`'s hand-written forward (its cache is then a `labkit.fast.FastCache`)
+and any other through `model_forward`. `Passes` bundles the choice for a learner.
 """
 
 from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
-from labkit import fast as _lean
+from labkit import fast
 from labkit.losses import entropy as entropy_of
-from labkit.rollout import RolloutBatch, cache_keyword, cache_of
+from labkit.rollout import RolloutBatch, cache_keyword, cache_of, fast_decoder, model_decoder
 
 def sequences(batch: RolloutBatch, rows: Tensor | None = None):
     """`(input_ids, attention_mask, position_ids)`, each (n, L), for the given rows (all if None)."""
@@ -85,10 +88,8 @@ def completion_outputs(run: Forward, batch: RolloutBatch, rows: Tensor | None = 
     return torch.cat([first, rest], dim=1)
 
 
-def _lm_forward(model, lean: bool = True) -> Forward:
-    if lean and _lean.unsupported(model) is None:
-        return lambda ids, mask, positions, cache, keep: _lean.lm_forward(
-            model, ids, mask, positions, cache, keep)
+def model_forward(model) -> Forward:
+    """The LM's own (Hugging Face) forward: logits of the last `keep` positions."""
     keyword = cache_keyword(getattr(model, "module", model))
 
     def run(ids, mask, positions, cache, keep):
@@ -99,21 +100,61 @@ def _lm_forward(model, lean: bool = True) -> Forward:
     return run
 
 
+def model_hidden(stack) -> Forward:
+    """A bare decoder stack's own forward: final-norm hidden states of the last `keep`
+    positions (all when None)."""
+    keyword = cache_keyword(stack)
+
+    def run(ids, mask, positions, cache, keep):
+        extra = {} if cache is None else {keyword: cache}
+        out = stack(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                    **extra)
+        hidden = out.last_hidden_state if keep is None else out.last_hidden_state[:, -keep:]
+        return hidden, cache_of(out)
+    return run
+
+
+fast_forward = fast.lm_forward_or(model_forward)
+"""`labkit.fast.lm_forward` where it covers the model, else `model_forward`."""
+
+fast_hidden = fast.backbone_or(model_hidden)
+"""`labkit.fast.backbone` where it covers the stack, else `model_hidden`."""
+
+
+@dataclass(frozen=True)
+class Passes:
+    """How the models run, chosen once when a learner is built."""
+
+    lm: Callable[..., Forward]
+    """lm(model): the forward that scores a policy or a reference."""
+    hidden: Callable[..., Forward]
+    """hidden(stack): the forward of a critic's backbone."""
+    decoder: Callable
+    """decoder(model, prompt_ids, group_size): what a rollout decodes with."""
+
+
+MODEL_PASSES = Passes(model_forward, model_hidden, model_decoder)
+"""Every model through its own forward."""
+
+FAST_PASSES = Passes(fast_forward, fast_hidden, fast_decoder)
+"""labkit.fast's passes for the models they cover, the models' own for the others."""
+
+
 def token_logprobs(model, batch: RolloutBatch, rows: Tensor | None = None, *,
                    temperature: float = 1.0, with_entropy: bool = False,
                    entropy_grad: bool = False, share_prompt: bool | None = None,
-                   lean: bool = True
+                   forward: Callable[..., Forward] = fast_forward
                    ) -> tuple[Tensor, Tensor | None]:
     """Log-probs (n, T) of the completion tokens under `model`, and their entropy (n, T).
 
     Logits are divided by `temperature`, as when the rollout sampled, so a policy equal to
     the sampling one gives ratio 1. Log-probs are fp32 whatever the model's dtype. The
     entropy is detached unless `entropy_grad` (an entropy bonus needs its gradient).
-    `share_prompt` runs each prompt once for its group (module docstring); `lean` runs a
-    supported model through `labkit.fast.lm_forward` instead of its own forward.
+    `share_prompt` runs each prompt once for its group (module docstring); `forward(model)`
+    gives the pass to run (`fast_forward` or `model_forward`).
     """
     rows = _all_rows(batch, rows)
-    logits = completion_outputs(_lm_forward(model, lean), batch, rows, share_prompt=share_prompt)
+    logits = completion_outputs(forward(model), batch, rows, share_prompt=share_prompt)
     logits = logits.float() / temperature  # (n, T, V)
     targets = batch.completion_ids[rows]
     logp = logits.gather(-1, targets[..., None]).squeeze(-1) - logits.logsumexp(-1)  # (n, T)
@@ -128,12 +169,13 @@ class ValueModel(nn.Module):
 
     Initialised from the policy (same backbone weights) with a zero head, so every value
     starts at 0. It is a separate network with its own optimizer: the policy never shares
-    its weights or its gradients.
+    its weights or its gradients. `hidden(backbone)` gives the backbone's pass (`fast_hidden`
+    or `model_hidden`).
     """
 
-    def __init__(self, policy, lean: bool = True):
+    def __init__(self, policy, hidden: Callable[..., Forward] = fast_hidden):
         super().__init__()
-        self.lean = lean
+        self.hidden = hidden
         self.backbone = copy.deepcopy(policy.base_model)
         self.head = nn.Linear(policy.config.hidden_size, 1)
         nn.init.zeros_(self.head.weight)
@@ -143,15 +185,9 @@ class ValueModel(nn.Module):
     def forward(self, input_ids, attention_mask, position_ids, cache=None,
                 keep: int | None = None) -> tuple[Tensor, object]:
         """Values (n, keep) of the last `keep` positions (all when None), and the KV cache."""
-        if self.lean and _lean.unsupported(self.backbone, need_head=False) is None:
-            hidden, cache = _lean.backbone(self.backbone, input_ids, attention_mask,
-                                           position_ids, cache, keep)
-            return self.head(hidden).squeeze(-1).float(), cache
-        extra = {} if cache is None else {cache_keyword(self.backbone): cache}
-        out = self.backbone(input_ids=input_ids, attention_mask=attention_mask,
-                            position_ids=position_ids, use_cache=True, **extra)
-        hidden = out.last_hidden_state if keep is None else out.last_hidden_state[:, -keep:]
-        return self.head(hidden).squeeze(-1).float(), cache_of(out)  # (n, keep)
+        hidden, cache = self.hidden(self.backbone)(input_ids, attention_mask, position_ids,
+                                                   cache, keep)
+        return self.head(hidden).squeeze(-1).float(), cache  # (n, keep)
 
 
 def token_values(critic: ValueModel, batch: RolloutBatch, rows: Tensor | None = None, *,

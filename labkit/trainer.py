@@ -171,7 +171,7 @@ def _adamw(parameters, lr: float, weight_decay: float) -> torch.optim.AdamW:
 def build_learner(config: TrainConfig, accelerator):
     """Policy (+ frozen reference when beta > 0, + critic for PPO), optimizers, schedules."""
     from labkit.models import load
-    from labkit.scoring import ValueModel
+    from labkit.scoring import FAST_PASSES, MODEL_PASSES, ValueModel
 
     policy, tokenizer = load(config.model, device=accelerator.device, dtype="fp32")
     reference = None
@@ -184,22 +184,23 @@ def build_learner(config: TrainConfig, accelerator):
     if accelerator.device.type == "cpu" and accelerator.mixed_precision == "bf16":
         for model in (policy, reference):
             _cpu_bf16_attention(model)
+    passes = FAST_PASSES if config.lean else MODEL_PASSES
     factor = _schedule(config)
     optimizer = _adamw(policy.parameters(), config.lr, config.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
     policy.train()
     if config.algo == "ppo":
-        critic = ValueModel(policy, lean=config.lean).train()
+        critic = ValueModel(policy, hidden=passes.hidden).train()
         critic_optimizer = _adamw(critic.parameters(), config.critic_lr, config.weight_decay)
         critic_scheduler = torch.optim.lr_scheduler.LambdaLR(critic_optimizer, factor)
         policy, optimizer, scheduler, critic, critic_optimizer, critic_scheduler = \
             accelerator.prepare(policy, optimizer, scheduler, critic, critic_optimizer,
                                 critic_scheduler)
         learner = Learner(policy, optimizer, scheduler, accelerator, reference, critic,
-                          critic_optimizer, critic_scheduler)
+                          critic_optimizer, critic_scheduler, passes)
     else:
         policy, optimizer, scheduler = accelerator.prepare(policy, optimizer, scheduler)
-        learner = Learner(policy, optimizer, scheduler, accelerator, reference)
+        learner = Learner(policy, optimizer, scheduler, accelerator, reference, passes=passes)
     return learner, tokenizer
 
 
@@ -415,7 +416,7 @@ def _one_step(config, learner, tokenizer, source, step_fn, step: int, device) ->
         batch = rollout(policy, tokenizer, [p.prompt for p in problems],
                         group_size=config.group_size, max_new_tokens=config.max_new_tokens,
                         temperature=config.temperature, top_k=config.top_k, top_p=config.top_p,
-                        seed=step_seed, lean=config.lean)
+                        seed=step_seed, decoder=learner.passes.decoder)
     answers = [p.answer for p in problems for _ in range(config.group_size)]
     rewards = torch.tensor(check_rewards(correctness(batch.texts, answer=answers),
                                          "correctness"), device=device)

@@ -85,22 +85,23 @@ def test_the_command_runs_end_to_end_and_ends_with_its_json_line():
     assert any(line.startswith("comparison") for line in lines)  # the table above the JSON
 
 
-def test_the_prompt_timer_times_the_lean_passes_without_turning_them_off(tiny):
+def test_the_prompt_timer_times_the_fast_passes_without_turning_them_off(tiny):
     """A forward hook would send the model to its own forward; the timer wraps labkit.fast's
     functions instead, and only calls over the whole prompt width count."""
     import torch
 
-    from labkit import fast as lean
+    from labkit import fast
+    from labkit.fast import training
     from labkit.rollout import rollout
     from labkit.scoring import token_logprobs
 
     model, tokenizer = tiny
-    original = lean.backbone
+    original = training.backbone
     batch = rollout(model, tokenizer, ["1+2=", "37+85="], group_size=4, max_new_tokens=6, seed=0)
     P = batch.prompt_ids.shape[1]
-    timer = bench._PromptTimer([model.model], P, lean=True)
+    timer = bench._PromptTimer([model.model], P, fast=True)
     try:
-        assert lean.unsupported(model) is None
+        assert fast.unsupported(model) is None
         with torch.no_grad():
             token_logprobs(model, batch, share_prompt=False)  # (n, P + T) wide: not counted
             assert timer.seconds == 0.0
@@ -108,7 +109,7 @@ def test_the_prompt_timer_times_the_lean_passes_without_turning_them_off(tiny):
         assert timer.seconds > 0.0
     finally:
         timer.close()
-    assert lean.backbone is original
+    assert training.backbone is original and fast.backbone is original
 
 
 def test_the_step_floor_counts_every_dispatched_operation_and_each_product():

@@ -9,9 +9,10 @@ import torch
 from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM,
                           Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
-from labkit import fast as lean
-from labkit.rollout import encode_prompts, rollout, sample
-from labkit.scoring import ValueModel, token_logprobs, token_values
+from labkit import fast
+from labkit.rollout import encode_prompts, model_decoder, rollout, sample
+from labkit.scoring import (ValueModel, fast_forward, fast_hidden, model_forward, model_hidden,
+                            token_logprobs, token_values)
 
 PROMPTS = ["1+2=", "37+85=", "9+90=", "12+34+56="]  # different lengths: left padding matters
 SHAPE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -58,7 +59,7 @@ def _hf_logits(model, ids, mask):
 
 def test_the_families_are_supported(model_and_tokenizer):
     model, _ = model_and_tokenizer
-    assert lean.unsupported(model) is None
+    assert fast.unsupported(model) is None
 
 
 def test_forward_with_and_without_a_cache_matches_the_model(model_and_tokenizer):
@@ -71,11 +72,11 @@ def test_forward_with_and_without_a_cache_matches_the_model(model_and_tokenizer)
     real = full_mask.bool()
     positions = (full_mask.cumsum(-1) - 1).clamp(min=0)
     with torch.no_grad():
-        got, _ = lean.lm_forward(model, full_ids, full_mask, positions)
+        got, _ = fast.lm_forward(model, full_ids, full_mask, positions)
         torch.testing.assert_close(got[real], want[real], atol=2e-5, rtol=1e-5)
         # the prompt first, then the rest against its cache: the last 5 positions agree
-        _, cache = lean.lm_forward(model, ids, mask, positions[:, :ids.shape[1]])
-        rest, _ = lean.lm_forward(model, more, full_mask, positions[:, ids.shape[1]:], cache,
+        _, cache = fast.lm_forward(model, ids, mask, positions[:, :ids.shape[1]])
+        rest, _ = fast.lm_forward(model, more, full_mask, positions[:, ids.shape[1]:], cache,
                                   keep=5)
     torch.testing.assert_close(rest, want[:, -5:], atol=2e-5, rtol=1e-5)
 
@@ -91,13 +92,13 @@ def test_log_prob_gradients_match_the_model_forward(model_and_tokenizer, share):
     batch = _batch(model, tokenizer)
     weights = torch.randn(batch.completion_ids.shape, generator=torch.Generator().manual_seed(0))
     grads, values = {}, {}
-    for use_lean in (True, False):
+    for use_fast, forward in ((True, fast_forward), (False, model_forward)):
         model.zero_grad()
         logp, _ = token_logprobs(model, batch, temperature=0.9, share_prompt=share,
-                                 lean=use_lean)
+                                 forward=forward)
         (logp * weights * batch.completion_mask).sum().backward()
-        values[use_lean] = logp.detach()
-        grads[use_lean] = {n: p.grad.clone() for n, p in model.named_parameters()}
+        values[use_fast] = logp.detach()
+        grads[use_fast] = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
     mask = batch.completion_mask.bool()
     torch.testing.assert_close(values[True][mask], values[False][mask], atol=2e-5, rtol=1e-5)
@@ -113,12 +114,12 @@ def test_critic_values_and_gradients_match_the_backbone_forward(tiny):
     with torch.no_grad():
         critic.head.weight.normal_()
     out = {}
-    for use_lean in (True, False):
-        critic.lean = use_lean
+    for use_fast, hidden in ((True, fast_hidden), (False, model_hidden)):
+        critic.hidden = hidden
         critic.zero_grad()
         values = token_values(critic, batch, share_prompt=True)
         (values * batch.completion_mask).sum().backward()
-        out[use_lean] = (values.detach(), {n: p.grad.clone() for n, p in critic.named_parameters()})
+        out[use_fast] = (values.detach(), {n: p.grad.clone() for n, p in critic.named_parameters()})
     mask = batch.completion_mask.bool()
     torch.testing.assert_close(out[True][0][mask], out[False][0][mask], atol=2e-5, rtol=1e-5)
     for name, want in out[False][1].items():
@@ -130,10 +131,10 @@ def test_bf16_autocast_log_probs_stay_close_to_the_model_under_autocast(model_an
     model, tokenizer = model_and_tokenizer
     batch = _batch(model, tokenizer)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-        ours, _ = token_logprobs(model, batch, lean=True)
-        theirs, _ = token_logprobs(model, batch, lean=False)
+        ours, _ = token_logprobs(model, batch, forward=fast_forward)
+        theirs, _ = token_logprobs(model, batch, forward=model_forward)
     with torch.no_grad():
-        exact, _ = token_logprobs(model, batch, lean=False)
+        exact, _ = token_logprobs(model, batch, forward=model_forward)
     mask = batch.completion_mask.bool()
     assert ours.dtype == torch.float32
     # bf16 keeps 8 bits of mantissa: both sit as far from the fp32 values as each other
@@ -147,7 +148,7 @@ def test_decoder_logits_match_the_model_at_every_step(model_and_tokenizer, share
     model, tokenizer = model_and_tokenizer
     ids, mask = encode_prompts(tokenizer, PROMPTS)
     G, T = 3, 6
-    decoder = lean.Decoder(model, torch.float32, shared_prefix=shared_prefix)
+    decoder = fast.Decoder(model, torch.float32, shared_prefix=shared_prefix)
     logits = decoder.prefill(ids, mask, G, T)
     seq, seq_mask = ids.repeat_interleave(G, 0), mask.repeat_interleave(G, 0)
     generator = torch.Generator().manual_seed(0)
@@ -164,7 +165,7 @@ def test_decoder_logits_match_the_model_at_every_step(model_and_tokenizer, share
 def test_bf16_decoder_stays_close_to_the_model(model_and_tokenizer):
     model, tokenizer = model_and_tokenizer
     ids, mask = encode_prompts(tokenizer, PROMPTS)
-    decoder = lean.Decoder(model, torch.bfloat16)
+    decoder = fast.Decoder(model, torch.bfloat16)
     got = decoder.prefill(ids, mask, 2, 4).log_softmax(-1)
     want = _hf_logits(model, ids, mask)[:, -1].float().repeat_interleave(2, 0).log_softmax(-1)
     top = want.argmax(-1, keepdim=True)  # the likeliest token's log-prob, to bf16 accuracy
@@ -172,13 +173,14 @@ def test_bf16_decoder_stays_close_to_the_model(model_and_tokenizer):
 
 
 @pytest.mark.parametrize("shared_prefix", [False, True])
-def test_lean_rollout_gives_the_tokens_of_the_model_forward(model_and_tokenizer, shared_prefix):
-    """Same seed, same draws: the lean decoder and the model's forward sample the same
+def test_fast_rollout_gives_the_tokens_of_the_model_forward(model_and_tokenizer, shared_prefix):
+    """Same seed, same draws: the fast decoder and the model's forward sample the same
     tokens (their logits agree to float rounding) and report the same log-probs."""
     model, tokenizer = model_and_tokenizer
     for kwargs in (dict(greedy=True), dict(temperature=0.9, top_p=0.95)):
-        ours = _batch(model, tokenizer, lean=True, shared_prefix=shared_prefix, **kwargs)
-        theirs = _batch(model, tokenizer, lean=False, **kwargs)
+        decoder = fast.decoder_or(model_decoder, shared_prefix=shared_prefix)
+        ours = _batch(model, tokenizer, decoder=decoder, **kwargs)
+        theirs = _batch(model, tokenizer, decoder=model_decoder, **kwargs)
         assert torch.equal(ours.completion_ids, theirs.completion_ids)
         assert torch.equal(ours.finished, theirs.finished)
         torch.testing.assert_close(ours.old_logprobs, theirs.old_logprobs, atol=2e-5, rtol=1e-5)
@@ -195,7 +197,7 @@ def test_reference_weights_are_restacked_when_they_change(tiny):
         with torch.no_grad():
             reference.model.layers[0].mlp.up_proj.weight.mul_(1.5)
         after, _ = token_logprobs(reference, batch)
-        want, _ = token_logprobs(reference, batch, lean=False)
+        want, _ = token_logprobs(reference, batch, forward=model_forward)
     mask = batch.completion_mask.bool()
     assert (after - before)[mask].abs().max() > 1e-3
     torch.testing.assert_close(after[mask], want[mask], atol=2e-5, rtol=1e-5)
@@ -209,31 +211,31 @@ def _gpt2(tokenizer):
 
 def test_unsupported_models_are_named_and_fall_back(tiny):
     model, tokenizer = tiny
-    assert "model_type 'gpt2'" in lean.unsupported(_gpt2(tokenizer))
-    with pytest.raises(ValueError, match="lean decoder cannot run this model: model_type"):
-        lean.Decoder(_gpt2(tokenizer))
+    assert "model_type 'gpt2'" in fast.unsupported(_gpt2(tokenizer))
+    with pytest.raises(ValueError, match="fast decoder cannot run this model: model_type"):
+        fast.Decoder(_gpt2(tokenizer))
     batch = _batch(_gpt2(tokenizer), tokenizer)  # the model's own forward takes over
     assert batch.completion_ids.shape[0] == 12
 
     probe = copy.deepcopy(model)
     hook = probe.model.register_forward_hook(lambda *args: None)
-    assert "forward hooks" in lean.unsupported(probe)
+    assert "forward hooks" in fast.unsupported(probe)
     hook.remove()
-    assert lean.unsupported(probe) is None
+    assert fast.unsupported(probe) is None
     probe.lm_head.forward = lambda h: h
-    assert "forward was replaced" in lean.unsupported(probe)
+    assert "forward was replaced" in fast.unsupported(probe)
 
     checkpointed = copy.deepcopy(model)
     getattr(checkpointed, "activation_checkpointing_enable",
             getattr(checkpointed, "gradient_checkpointing_enable", None))()
-    assert "checkpointing" in lean.unsupported(checkpointed)
+    assert "checkpointing" in fast.unsupported(checkpointed)
 
     sliding = Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tokenizer), use_sliding_window=True,
                                            sliding_window=16, max_window_layers=0, **SHAPE))
-    assert "sliding" in lean.unsupported(sliding)
+    assert "sliding" in fast.unsupported(sliding)
 
 
-def test_accelerates_mixed_precision_wrapper_keeps_the_lean_path(tiny):
+def test_accelerates_mixed_precision_wrapper_keeps_the_fast_path(tiny):
     from labkit.config import TrainConfig
     from labkit.trainer import _accelerator
 
@@ -241,7 +243,7 @@ def test_accelerates_mixed_precision_wrapper_keeps_the_lean_path(tiny):
     accelerator = _accelerator(TrainConfig(precision="bf16", device="cpu"))
     wrapped = accelerator.prepare(copy.deepcopy(model))
     assert "forward" in wrapped.__dict__  # the autocast wrapper
-    assert lean.unsupported(wrapped) is None
+    assert fast.unsupported(wrapped) is None
 
 
 def test_sample_draws_tokens_with_their_softmax_probabilities():
@@ -286,15 +288,14 @@ def test_auto_sharing_runs_long_prompts_once_and_short_ones_with_their_rows(tiny
 
 
 def test_small_models_decode_in_fp32_under_cpu_autocast(tiny, monkeypatch):
-    import labkit.rollout as module
+    import labkit.fast.decoder as module
 
     model, _ = tiny
-    cpu = torch.device("cpu")
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert module._compute_dtype(cpu, model) == torch.float32  # 0.4 M parameters
+        assert module.rollout_dtype(model) == torch.float32  # 0.4 M parameters
         monkeypatch.setattr(module, "CPU_LOW_PRECISION_MIN_PARAMS", 1000)
-        assert module._compute_dtype(cpu, model) == torch.bfloat16
-    assert module._compute_dtype(cpu, model) == torch.float32  # no autocast: the model's
+        assert module.rollout_dtype(model) == torch.bfloat16
+    assert module.rollout_dtype(model) == torch.float32  # no autocast: the model's
 
 
 def test_the_optimizer_is_fused_and_steps_like_plain_adamw():
@@ -328,18 +329,18 @@ def _learner(**fields):
 
 
 def test_a_reference_held_in_bf16_matches_its_model_forward(tiny):
-    """Under bf16 autocast the reference is held in bf16 (trainer.build_learner); the lean
+    """Under bf16 autocast the reference is held in bf16 (trainer.build_learner); the fast
     pass then uses its weights as they are and its norm weights as fp32."""
     _, learner, tokenizer = _learner(precision="bf16", device="cpu", beta=0.04)
     reference = learner.reference
     assert all(p.dtype == torch.bfloat16 and not p.requires_grad for p in reference.parameters())
     batch = _batch(tiny[0], tokenizer)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-        ours, _ = token_logprobs(reference, batch, lean=True)
-        theirs, _ = token_logprobs(reference, batch, lean=False)
+        ours, _ = token_logprobs(reference, batch, forward=fast_forward)
+        theirs, _ = token_logprobs(reference, batch, forward=model_forward)
     mask = batch.completion_mask.bool()
     assert (ours - theirs)[mask].abs().mean() < 0.02
-    assert "_lean_weights" not in reference.__dict__  # nothing cast, nothing kept
+    assert "_fast_weights" not in reference.__dict__  # nothing cast, nothing kept
 
 
 @pytest.mark.parametrize("algo", ["grpo", "ppo"])
@@ -361,3 +362,28 @@ def test_frozen_passes_give_ordinary_tensors_the_loss_may_keep(tiny, algo):
         out = algos.ppo_step(config, learner, batch, torch.ones(batch.completion_ids.shape[0]),
                              step_seed=0)
         assert not out.values.is_inference() and torch.isfinite(out.values).all()
+
+
+def test_the_kv_strategy_is_chosen_when_the_decoder_is_built(tiny, monkeypatch):
+    import labkit.fast.decoder as module
+
+    model, tokenizer = tiny
+    assert isinstance(fast.Decoder(model, shared_prefix=True).kv, fast.SharedPrefix)
+    assert isinstance(fast.Decoder(model).kv, fast.FullCache)
+    ids, _ = encode_prompts(tokenizer, PROMPTS)  # a few tokens: below the threshold
+    start = fast.decoder_or(model_decoder)
+    assert isinstance(start(model, ids, 3).kv, fast.FullCache)
+    monkeypatch.setattr(module, "SHARED_PREFIX_MIN_TOKENS", ids.shape[1])
+    assert isinstance(start(model, ids, 3).kv, fast.SharedPrefix)
+    assert isinstance(start(model, ids, 1).kv, fast.FullCache)  # one row per group: no sharing
+    assert not isinstance(start(_gpt2(tokenizer), ids, 3), fast.Decoder)  # the model's own
+
+
+@pytest.mark.parametrize("use_fast", [True, False])
+def test_the_config_chooses_the_passes_once_for_the_learner(use_fast):
+    from labkit.scoring import FAST_PASSES, MODEL_PASSES
+
+    _, learner, _ = _learner(algo="ppo", device="cpu", lean=use_fast)
+    want = FAST_PASSES if use_fast else MODEL_PASSES
+    assert learner.passes is want
+    assert learner.accelerator.unwrap_model(learner.critic).hidden is want.hidden

@@ -239,7 +239,7 @@ def test_reserved_cache_gives_the_same_rollout_as_the_growing_cache(tiny, attent
 
     module_reserve = module.reserve_cache
     monkeypatch.setattr(module, "reserve_cache", spy)
-    args = dict(group_size=3, max_new_tokens=10, seed=5, lean=False)  # the model's forward
+    args = dict(group_size=3, max_new_tokens=10, seed=5, decoder=module.model_decoder)
     fast = rollout(model, tokenizer, PROMPTS, **args)
     assert reserved == [("ReservedLayer", attention == "eager")]
     monkeypatch.setattr(module, "reserve_cache", lambda *args, **kwargs: None)

@@ -124,16 +124,16 @@ class _PromptTimer:
     """Seconds spent in forward passes over whole prompts (P tokens wide): the rollout's
     prefill, the reference's and the update's prompt pass. labkit.fast's passes are timed by
     wrapping its functions (a hook on the model would send it to its own forward instead);
-    with `lean` off, by hooks on the models' decoder stacks."""
+    with the fast passes off, by hooks on the models' decoder stacks."""
 
-    def __init__(self, modules, width: int, lean: bool):
+    def __init__(self, modules, width: int, fast: bool):
         self.seconds, self.width, self._start = 0.0, width, None
         self._undo = []
-        if lean:
-            from labkit import fast as module
+        if fast:
+            from labkit.fast import decoder, training
 
-            self._wrap(module, "backbone", lambda args, kwargs: args[1].shape[1] == width)
-            self._wrap(module.Decoder, "_prefill", lambda args, kwargs: True)
+            self._wrap(training, "backbone", lambda args, kwargs: args[1].shape[1] == width)
+            self._wrap(decoder.Decoder, "prefill", lambda args, kwargs: True)
         else:
             for m in modules:
                 self._undo += [m.register_forward_pre_hook(self._before, with_kwargs=True).remove,
@@ -199,6 +199,7 @@ def _labkit_step_times(config, learner, tokenizer, device, work: Work, steps: in
     """Run `warmup + steps` GRPO/PPO steps; per-step seconds after warm-up."""
     from labkit import trainer
     from labkit.algos import grpo_step, ppo_step
+    from labkit.scoring import MODEL_PASSES
 
     source = _FixedProblems(replace(work, batch_prompts=config.batch_prompts))
     step_fn = grpo_step if config.algo == "grpo" else ppo_step
@@ -206,7 +207,7 @@ def _labkit_step_times(config, learner, tokenizer, device, work: Work, steps: in
     timer = None
     if prompt_width:
         stacks = [m.model for m in (policy, learner.reference) if m is not None]
-        timer = _PromptTimer(stacks, prompt_width, lean=config.lean)
+        timer = _PromptTimer(stacks, prompt_width, fast=learner.passes is not MODEL_PASSES)
     out = {key: [] for key in (*_TIMES, "tokens", "completions")}
     try:
         for step in range(1, warmup + steps + 1):

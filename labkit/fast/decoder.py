@@ -1,0 +1,234 @@
+"""The rollout's prefill and decode steps: `Decoder`, and `decoder_or`, which picks it for the
+models it covers.
+
+The weights are packed once per rollout (q, k, v as one matrix with the attention scale
+folded into q, gate and up as one, each RMSNorm's weight folded into the product after it,
+cast to the dtype the caller picks), and keys and values go into fp32 buffers reserved for
+the whole completion, read by a KV strategy (`labkit.fast.kv`) chosen when the decoder is built.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from labkit.fast.kv import FullCache, SharedPrefix
+from labkit.fast.layer import (attention_bias, compute_dtype, eps_of, head_dims, layer,
+                               rope_tables)
+from labkit.fast.support import decoder_stack, unsupported
+
+SHARED_PREFIX_MIN_TOKENS = 64
+"""Prompt length (padded) from which `decoder_or` reads each prompt's keys once per group
+by default: below it, the extra operations cost more than the memory they save."""
+
+CPU_LOW_PRECISION_MIN_PARAMS = 4_000_000
+"""On a CPU, the decoder computes in fp32 under bf16 autocast when the model has fewer
+parameters than this: its weights then sit in the caches and bf16 saves no memory traffic,
+while bf16 products of this size run slower than fp32 ones (docs/performance.md)."""
+
+
+def rollout_dtype(model) -> torch.dtype:
+    """The dtype of the rollout's matrix products: autocast's when it is on (except for a
+    small model on a CPU, `CPU_LOW_PRECISION_MIN_PARAMS`), else the model's."""
+    first = next(model.parameters())
+    if first.device.type == "cpu" and first.dtype == torch.float32 and \
+            sum(p.numel() for p in model.parameters()) < CPU_LOW_PRECISION_MIN_PARAMS:
+        return torch.float32
+    return compute_dtype(model)
+
+
+def decoder_or(plain: Callable, shared_prefix: bool | None = None) -> Callable:
+    """start(model, prompt_ids, group_size): a `Decoder` where `unsupported(model)` is None,
+    else `plain(model, prompt_ids, group_size)`. `shared_prefix` None reads each prompt's
+    keys once per group when the prompt is long enough for that to pay
+    (`SHARED_PREFIX_MIN_TOKENS`)."""
+
+    def start(model, prompt_ids: Tensor, group_size: int):
+        if unsupported(model) is not None:
+            return plain(model, prompt_ids, group_size)
+        shared = shared_prefix
+        if shared is None:
+            shared = group_size > 1 and prompt_ids.shape[1] >= SHARED_PREFIX_MIN_TOKENS
+        return Decoder(model, rollout_dtype(model), shared_prefix=shared, checked=True)
+    return start
+
+
+def _pack(linears, dtype, norm_weight: Tensor | None = None, q_scale: float | None = None):
+    """(W, bias) of linears stacked along their outputs, cast to `dtype`, for
+    `mm(x, W.t())`. `norm_weight` (in,) scales W's columns (the RMSNorm before it);
+    `q_scale` scales the first linear's outputs (attention's 1/sqrt(D) on q). Each matrix is
+    scaled in its own dtype and cast before the stacking, so the one full-size copy made
+    is already in `dtype`."""
+    weights, biases = [], []
+    for i, m in enumerate(linears):
+        w, b = m.weight, m.bias
+        if i == 0 and q_scale is not None:
+            w, b = w * q_scale, None if b is None else b * q_scale
+        if norm_weight is not None:
+            w = w * norm_weight
+        weights.append(w.to(dtype))
+        biases.append(b)
+    bias = None if biases[0] is None else torch.cat(biases).to(dtype)
+    return (weights[0] if len(weights) == 1 else torch.cat(weights)).contiguous(), bias
+
+
+def _matmul(x: Tensor, packed, dtype) -> Tensor:
+    weight, bias = packed
+    x = x.to(dtype)
+    rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # a decode step's are 2-D
+    out = torch.mm(rows, weight.t()) if bias is None else torch.addmm(bias, rows, weight.t())
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], out.shape[-1])
+
+
+def _residual(x: Tensor, inp: Tensor, packed, dtype) -> Tensor:
+    """x + inp @ W.t() (+ bias): one fused product on a decode step's fp32 rows."""
+    weight, bias = packed
+    if x.dim() == 2 and bias is None and weight.dtype == x.dtype == inp.dtype:
+        return torch.addmm(x, inp, weight.t())
+    return x + _matmul(inp, packed, dtype)
+
+
+class _PackedLayer:
+    """`LayerOps` on packed weights: a norm is only x * rsqrt(mean(x^2) + eps), its weight
+    being folded into the product after it; q, k and v come out of one product."""
+
+    @torch.no_grad()
+    def __init__(self, block, dtype, dims: tuple[int, int, int]):
+        attn, mlp = block.self_attn, block.mlp
+        ln1, ln2 = block.input_layernorm, block.post_attention_layernorm
+        self.dtype, (self.H, self.Hkv, self.D) = dtype, dims
+        scale = self.D ** -0.5
+        has_qk_norm = hasattr(attn, "q_norm")
+        self.eps1, self.eps2 = eps_of(ln1), eps_of(ln2)
+        # the attention scale is folded into q's rows unless a q norm follows them
+        self.w_qkv = _pack([attn.q_proj, attn.k_proj, attn.v_proj], dtype, ln1.weight,
+                           q_scale=None if has_qk_norm else scale)
+        self.w_o, self.w_down = _pack([attn.o_proj], dtype), _pack([mlp.down_proj], dtype)
+        self.w_gu = _pack([mlp.gate_proj, mlp.up_proj], dtype, ln2.weight)
+        self.q_norm = self.k_norm = None
+        if has_qk_norm:
+            self.q_norm = (attn.q_norm.weight.float() * scale, eps_of(attn.q_norm))
+            self.k_norm = (attn.k_norm.weight.float(), eps_of(attn.k_norm))
+
+    def norm1(self, x: Tensor) -> Tensor:
+        return F.rms_norm(x, (x.shape[-1],), None, self.eps1)
+
+    def norm2(self, x: Tensor) -> Tensor:
+        return F.rms_norm(x, (x.shape[-1],), None, self.eps2)
+
+    def qkv(self, h: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        H, Hkv, D = self.H, self.Hkv, self.D
+        qkv = _matmul(h, self.w_qkv, self.dtype)
+        lead = qkv.shape[:-1]
+        return (qkv[..., :H * D].float().view(*lead, H, D),
+                qkv[..., H * D:(H + Hkv) * D].float().view(*lead, Hkv, D),
+                qkv[..., (H + Hkv) * D:].view(*lead, Hkv, D))
+
+    def qk_norm(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
+        if self.q_norm is None:
+            return q, k
+        return F.rms_norm(q, (self.D,), *self.q_norm), F.rms_norm(k, (self.D,), *self.k_norm)
+
+    def residual_o(self, x: Tensor, o: Tensor) -> Tensor:
+        return _residual(x, o, self.w_o, self.dtype)
+
+    def gate_up(self, h: Tensor) -> tuple[Tensor, Tensor]:
+        gu = _matmul(h, self.w_gu, self.dtype)
+        inter = gu.shape[-1] // 2
+        return gu[..., :inter], gu[..., inter:]
+
+    def residual_down(self, x: Tensor, act: Tensor) -> Tensor:
+        return _residual(x, act, self.w_down, self.dtype)
+
+
+class Decoder:
+    """Prefill and decode for a rollout: B prompts, G rows per prompt, N = B*G rows.
+
+    `dtype` is the dtype of the matrix products with weights (bf16 under autocast); the
+    weights are packed and cast once, here. The residual stream, norms, rotary embeddings
+    and attention stay fp32: on a CPU, bf16 gains nothing on a decode step's many small
+    attention products and loses precision. Call `prefill` once, then `step` with each
+    row's next token; both return fp32 logits (N, V) for the next position.
+    `shared_prefix` picks the KV strategy: `SharedPrefix` (each prompt's keys and values
+    read once per group) or `FullCache` (once per row).
+    """
+
+    @torch.no_grad()
+    def __init__(self, model, dtype=torch.float32, shared_prefix: bool = False,
+                 checked: bool = False):
+        reason = None if checked else unsupported(model)
+        if reason is not None:
+            raise ValueError(f"the fast decoder cannot run this model: {reason}")
+        base = decoder_stack(model)
+        self.base, self.dtype = base, dtype
+        self.kv = SharedPrefix() if shared_prefix else FullCache()
+        self.H, self.Hkv, self.D = head_dims(base.config)
+        self.embed = base.embed_tokens.weight
+        self.head = _pack([model.lm_head], dtype, base.norm.weight)
+        self.final_eps = eps_of(base.norm)
+        self.layers = [_PackedLayer(block, dtype, (self.H, self.Hkv, self.D))
+                       for block in base.layers]
+
+    def close(self) -> None:
+        """Release the packed weights and the KV buffers."""
+        self.layers = []
+        self.kv.close()
+
+    def _logits(self, x: Tensor) -> Tensor:
+        normed = F.rms_norm(x, (x.shape[-1],), None, self.final_eps)
+        return _matmul(normed, self.head, self.dtype).float()
+
+    @torch.no_grad()
+    def prefill(self, ids: Tensor, mask: Tensor, group_size: int, max_new_tokens: int) -> Tensor:
+        """Run the (B, P) left-padded prompts once; logits (N, V) for each row's first token."""
+        with torch.autocast(ids.device.type, enabled=False):
+            return self._prefill(ids, mask, group_size, max_new_tokens)
+
+    def _prefill(self, ids: Tensor, mask: Tensor, G: int, T: int) -> Tensor:
+        P = ids.shape[1]
+        self.t = 0
+        f32 = torch.float32
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        cos_all, sin_all = rope_tables(self.base, torch.arange(P + T + 1, device=ids.device)[None],
+                                       f32)
+        cos_all, sin_all = cos_all[0], sin_all[0]  # (S + 1, D) by position
+        cos, sin = cos_all[positions][:, :, None], sin_all[positions][:, :, None]  # (B, P, 1, D)
+        bias = attention_bias(mask, P, f32)  # (B, 1, P, P)
+        x = F.embedding(ids, self.embed).float()  # (B, P, hidden)
+        self.kv.start(mask, G, T)
+        for ops in self.layers:
+            x = layer(x, ops, self._prompt_attention(bias), cos, sin)
+        # each row's rotary tables for its T decode positions, gathered once: (N, T, 1, D)
+        steps = mask.sum(-1).repeat_interleave(G)[:, None] + torch.arange(T, device=ids.device)
+        self.step_cos, self.step_sin = cos_all[steps][:, :, None], sin_all[steps][:, :, None]
+        return self._logits(x[:, -1]).repeat_interleave(G, dim=0)
+
+    def _prompt_attention(self, bias: Tensor):
+        """Causal fp32 attention over the prompt (B, P); its keys and values go to the KV
+        strategy."""
+
+        def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            B, P, H, D = q.shape
+            Hkv = k.shape[2]
+            rep = H // Hkv
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.float().transpose(1, 2)
+            scores = torch.matmul(q.reshape(B, Hkv, rep * P, D), k.transpose(2, 3))
+            probs = (scores.view(B, H, P, P) + bias).softmax(-1)
+            o = torch.matmul(probs.view(B, Hkv, rep * P, P), v).view(B, H, P, D)
+            self.kv.store_prompt(k, v)
+            return o.transpose(1, 2).reshape(B, P, H * D)
+        return attend
+
+    @torch.no_grad()
+    def step(self, tokens: Tensor) -> Tensor:
+        """Feed each row's token (N,); logits (N, V) for the position after it."""
+        with torch.autocast(tokens.device.type, enabled=False):
+            cos, sin = self.step_cos[:, self.t], self.step_sin[:, self.t]  # (N, 1, D)
+            x = F.embedding(tokens, self.embed).float()  # (N, hidden)
+            for i, ops in enumerate(self.layers):
+                x = layer(x, ops, self.kv.attend(i, self.t), cos, sin)
+            self.t += 1
+            return self._logits(x)

@@ -1,0 +1,110 @@
+"""How a rollout's decode step reads the KV cache: one object, chosen when the decoder is built.
+
+Shapes: B prompts, G rows per prompt, N = B*G rows, P prompt positions (left-padded), T
+completion positions, Hkv key/value heads of `rep` query heads each, D head size. Keys are
+kept by column (D, position) so that q @ K reads them in place. Both strategies keep fp32
+buffers reserved for the whole completion and write each step's keys and values in place.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from labkit.fast.layer import Attend
+
+
+class FullCache:
+    """Every row holds its prompt's keys and values: a decode step is one (rep x S) score
+    block per row and head, over the prompt and the completion so far."""
+
+    def start(self, prompt_mask: Tensor, group_size: int, max_new_tokens: int) -> None:
+        """Before the prefill: the (B, P) prompt mask, G and T."""
+        B, P = prompt_mask.shape
+        self.G, self.P, self.T, self.layers = group_size, P, max_new_tokens, []
+        # every completion position is attended to once written; prompt padding never is
+        self.bias = torch.zeros(B * group_size, 1, 1, P + max_new_tokens, dtype=torch.float32,
+                                device=prompt_mask.device)
+        self.bias[..., :P] = _prompt_bias(prompt_mask).repeat_interleave(group_size, dim=0)
+
+    def store_prompt(self, k: Tensor, v: Tensor) -> None:
+        """The next layer's prompt keys and values (B, Hkv, P, D), fp32."""
+        G, P, S = self.G, self.P, self.P + self.T
+        N, Hkv, D = k.shape[0] * G, k.shape[1], k.shape[3]
+        keys, values = k.new_empty(N, Hkv, D, S), k.new_empty(N, Hkv, S, D)
+        keys[..., :P] = k.transpose(2, 3).repeat_interleave(G, dim=0)
+        values[:, :, :P] = v.repeat_interleave(G, dim=0)
+        self.layers.append((keys, values))
+
+    def attend(self, i: int, t: int) -> Attend:
+        """Layer i's attention at completion step t: q (N, H, D), k, v (N, Hkv, D)."""
+        keys, values = self.layers[i]
+        col = self.P + t
+
+        def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            N, H, D = q.shape
+            Hkv = k.shape[1]
+            keys[..., col] = k
+            values[:, :, col] = v
+            own = torch.matmul(q.reshape(N, Hkv, H // Hkv, D), keys[..., :col + 1])
+            probs = own.add_(self.bias[..., :col + 1]).softmax(-1)  # (N, Hkv, rep, col + 1)
+            return torch.matmul(probs, values[:, :, :col + 1]).reshape(N, H * D)
+        return attend
+
+    def close(self) -> None:
+        self.layers = []
+
+
+class SharedPrefix:
+    """A group's G rows read their prompt's keys and values once, as one (G*rep x P) score
+    block per prompt and head, instead of G copies of them; each row keeps only its own
+    completion's keys and values."""
+
+    def start(self, prompt_mask: Tensor, group_size: int, max_new_tokens: int) -> None:
+        """Before the prefill: the (B, P) prompt mask, G and T."""
+        self.G, self.P, self.T, self.layers, self.prompt = \
+            group_size, prompt_mask.shape[1], max_new_tokens, [], []
+        self.prompt_bias = _prompt_bias(prompt_mask)  # (B, 1, 1, P)
+
+    def store_prompt(self, k: Tensor, v: Tensor) -> None:
+        """The next layer's prompt keys and values (B, Hkv, P, D), fp32."""
+        # the prompt once per group: keys by column (D, P) for q @ K, values (P, D)
+        self.prompt.append((k.transpose(2, 3).contiguous(), v.contiguous()))
+        N, Hkv, D = k.shape[0] * self.G, k.shape[1], k.shape[3]
+        self.layers.append((k.new_empty(N, Hkv, D, self.T), k.new_empty(N, Hkv, self.T, D)))
+
+    def attend(self, i: int, t: int) -> Attend:
+        """Layer i's attention at completion step t: q (N, H, D), k, v (N, Hkv, D)."""
+        (keys, values), (prompt_k, prompt_v) = self.layers[i], self.prompt[i]
+        G, P = self.G, self.P
+
+        def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            N, H, D = q.shape
+            Hkv = k.shape[1]
+            rep, B = H // Hkv, N // G
+            keys[..., t] = k
+            values[:, :, t] = v
+            q = q.reshape(N, Hkv, rep, D)
+            own = torch.matmul(q, keys[..., :t + 1])  # (N, Hkv, rep, t + 1)
+            # the G rows' queries of a prompt against its keys: one (G*rep, P) block
+            qg = q.view(B, G, Hkv, rep, D).transpose(1, 2).reshape(B, Hkv, G * rep, D)
+            shared = torch.matmul(qg, prompt_k).add_(self.prompt_bias)  # (B, Hkv, G*rep, P)
+            shared = shared.view(B, Hkv, G, rep, P).transpose(1, 2).reshape(N, Hkv, rep, P)
+            probs = torch.cat([shared, own], dim=-1).softmax(-1)
+            pp = probs[..., :P].reshape(B, G, Hkv, rep, P).transpose(1, 2) \
+                .reshape(B, Hkv, G * rep, P)
+            o = torch.matmul(pp, prompt_v).view(B, Hkv, G, rep, D).transpose(1, 2) \
+                .reshape(N, Hkv, rep, D)
+            o = o.add_(torch.matmul(probs[..., P:], values[:, :, :t + 1]))
+            return o.reshape(N, H * D)
+        return attend
+
+    def close(self) -> None:
+        self.layers, self.prompt = [], []
+
+
+def _prompt_bias(mask: Tensor) -> Tensor:
+    """(B, 1, 1, P): 0 on real prompt tokens, fp32's minimum on padding."""
+    f32 = torch.float32
+    return torch.zeros(mask.shape[0], 1, 1, mask.shape[1], dtype=f32, device=mask.device) \
+        .masked_fill_(mask[:, None, None, :] == 0, torch.finfo(f32).min)

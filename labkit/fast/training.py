@@ -1,0 +1,215 @@
+"""The teacher-forced pass with autograd (scoring and the update): `backbone`, `lm_forward`.
+
+It has the contract of the HF forward that `labkit.scoring` uses (ids, mask, positions, an
+optional KV cache of earlier positions, the last `keep` outputs), and gradients reach the HF
+parameters directly. A frozen model (the reference) runs q, k, v and gate, up as one product
+each, its weights stacked and cast once and kept between calls. Under autocast the products
+with weights and the attention run in its dtype and the residual stream and norms in fp32,
+as in the HF modules under autocast.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from labkit.fast.layer import (Attend, attention_bias, compute_dtype, eps_of, head_dims, layer,
+                               rope_tables, weight32)
+from labkit.fast.support import decoder_stack, unsupported
+
+
+class FastCache:
+    """Keys and values of earlier positions, per layer: (n, Hkv, S, D) each. Quacks like the
+    HF cache where `labkit.scoring` uses one (`batch_select_indices`)."""
+
+    def __init__(self, layers: list[tuple[Tensor, Tensor]]):
+        self.layers = layers
+
+    def batch_select_indices(self, index: Tensor) -> None:
+        self.layers = [(k[index], v[index]) for k, v in self.layers]
+
+
+def _layer_weights(model, dtype) -> list[tuple]:
+    """Per layer (W_qkv, b_qkv, W_gu, b_gu, W_o, b_o, W_down, b_down) for `backbone`.
+
+    A frozen model (the reference) not held in `dtype` gets q, k, v and gate, up stacked
+    along their outputs, so each is one product, and cast to `dtype`; they are kept between
+    calls until a parameter changes in place (its version counter moves). A trainable model
+    gets its parameters as they are (as does a model held in `dtype`), W_qkv and W_gu as
+    (q, k, v) and (gate, up) tuples: stacking them would copy the weights on every call and
+    keep the copies (and their casts) alive until the backward, where autocast casts each
+    parameter once per region and reuses the cast."""
+    params = list(model.parameters())
+    frozen = not any(p.requires_grad for p in params)
+    if frozen and all(p.dtype == dtype for p in params):
+        frozen = False  # already in the compute dtype: no cast to keep, no copy to make
+    if frozen:
+        key = (dtype, tuple(p._version for p in params), tuple(p.data_ptr() for p in params))
+        cached = model.__dict__.get("_fast_weights")
+        if cached is not None and cached[0] == key:
+            return cached[1]
+    layers = []
+    for block in decoder_stack(model).layers:
+        attn, mlp = block.self_attn, block.mlp
+        qkv, gu = (attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj)
+        if frozen:
+            layers.append((*_stacked(qkv, dtype), *_stacked(gu, dtype),
+                           *_stacked([attn.o_proj], dtype), *_stacked([mlp.down_proj], dtype)))
+        else:
+            layers.append((tuple(m.weight for m in qkv), tuple(m.bias for m in qkv),
+                           tuple(m.weight for m in gu), tuple(m.bias for m in gu),
+                           attn.o_proj.weight, attn.o_proj.bias, mlp.down_proj.weight,
+                           mlp.down_proj.bias))
+    if frozen:
+        model.__dict__["_fast_weights"] = (key, layers)
+    return layers
+
+
+def _stacked(linears, dtype) -> tuple[Tensor, Tensor | None]:
+    """(weight, bias) of linears joined along their outputs, cast to `dtype`."""
+    weight = torch.cat([m.weight for m in linears]) if len(linears) > 1 else linears[0].weight
+    if linears[0].bias is None:
+        return weight.to(dtype), None
+    bias = torch.cat([m.bias for m in linears]) if len(linears) > 1 else linears[0].bias
+    return weight.to(dtype), bias.to(dtype)
+
+
+def _linears(x: Tensor, weight, bias, sizes: list[int]) -> tuple[Tensor, ...]:
+    """x @ W.T + b for each of the linears whose output widths are `sizes`: one product
+    sliced when `weight` is their stacked matrix, else one product per matrix in the tuple
+    `weight`. Separate outputs are never joined: joining copies them, and slicing a joined
+    output that autograd tracks costs a zero-filled full-width gradient per slice."""
+    if isinstance(weight, tuple):
+        return tuple(F.linear(x, w, b) for w, b in zip(weight, bias))
+    return F.linear(x, weight, bias).split(sizes, dim=-1)
+
+
+class _TrainedLayer:
+    """`LayerOps` on the model's own parameters (or the frozen model's stacked casts): norms
+    with their weights, products in `dtype`, q and k in fp32 for their norms and RoPE."""
+
+    def __init__(self, block, weights: tuple, dims: tuple[int, int, int], dtype):
+        self.ln1, self.ln2, self.attn = block.input_layernorm, block.post_attention_layernorm, \
+            block.self_attn
+        (self.w_qkv, self.b_qkv, self.w_gu, self.b_gu, self.w_o, self.b_o, self.w_down,
+         self.b_down) = weights
+        self.H, self.Hkv, self.D = dims
+        self.dtype = dtype
+
+    def _norm(self, x: Tensor, norm) -> Tensor:
+        return F.rms_norm(x, (x.shape[-1],), weight32(norm), eps_of(norm)).to(self.dtype)
+
+    def norm1(self, x: Tensor) -> Tensor:
+        return self._norm(x, self.ln1)
+
+    def norm2(self, x: Tensor) -> Tensor:
+        return self._norm(x, self.ln2)
+
+    def qkv(self, h: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        H, Hkv, D = self.H, self.Hkv, self.D
+        q, k, v = _linears(h, self.w_qkv, self.b_qkv, [H * D, Hkv * D, Hkv * D])
+        lead = h.shape[:-1]
+        return q.view(*lead, H, D).float(), k.view(*lead, Hkv, D).float(), v.view(*lead, Hkv, D)
+
+    def qk_norm(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
+        if not hasattr(self.attn, "q_norm"):
+            return q, k
+        qn, kn = self.attn.q_norm, self.attn.k_norm
+        return (F.rms_norm(q, (self.D,), weight32(qn), eps_of(qn)),
+                F.rms_norm(k, (self.D,), weight32(kn), eps_of(kn)))
+
+    def residual_o(self, x: Tensor, o: Tensor) -> Tensor:
+        return x + F.linear(o, self.w_o, self.b_o)
+
+    def gate_up(self, h: Tensor) -> tuple[Tensor, Tensor]:
+        return _linears(h, self.w_gu, self.b_gu, [self.w_down.shape[1]] * 2)
+
+    def residual_down(self, x: Tensor, act: Tensor) -> Tensor:
+        return x + F.linear(act, self.w_down, self.b_down)
+
+
+def _attention(past: tuple[Tensor, Tensor] | None, bias: Tensor, dtype, kept: list) -> Attend:
+    """Attention of q (n, L, H, D) over the cached keys `past` and the L new ones, in `dtype`
+    (scores and softmax in fp32 with the additive `bias` (n, 1, L, S)); the layer's keys and
+    values (n, Hkv, S, D) are appended to `kept`."""
+
+    def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        n, L, H, D = q.shape
+        Hkv = k.shape[2]
+        rep = H // Hkv
+        v = v.transpose(1, 2)
+        q, k = q.transpose(1, 2).to(dtype), k.transpose(1, 2).to(dtype)  # (n, H|Hkv, L, D)
+        if past is not None:
+            k = torch.cat([past[0].to(dtype), k], dim=2)
+            v = torch.cat([past[1].to(dtype), v], dim=2)
+        kept.append((k, v))
+        S = k.shape[2]
+        scores = torch.matmul(q.reshape(n, Hkv, rep * L, D), k.transpose(2, 3))
+        scores = scores.view(n, H, L, S) * D ** -0.5 + bias
+        probs = scores.softmax(-1).to(dtype)
+        o = torch.matmul(probs.view(n, Hkv, rep * L, S), v)  # (n, Hkv, rep*L, D)
+        return o.view(n, H, L, D).transpose(1, 2).reshape(n, L, H * D)
+    return attend
+
+
+def backbone(model, ids: Tensor, mask: Tensor, positions: Tensor,
+             cache: FastCache | None = None, keep: int | None = None
+             ) -> tuple[Tensor, FastCache]:
+    """Final-norm hidden states (n, keep, hidden) of the last `keep` positions (all when None),
+    and the cache of every position. `mask` (n, S) covers the cached positions and `ids`'."""
+    base = decoder_stack(model)
+    dims = head_dims(base.config)
+    dtype = compute_dtype(model)
+    weights = _layer_weights(model, dtype)
+    x = F.embedding(ids, base.embed_tokens.weight, base.embed_tokens.padding_idx).float()
+    cos, sin = rope_tables(base, positions, torch.float32)
+    cos, sin = cos[:, :, None], sin[:, :, None]  # (n, L, 1, D)
+    bias = attention_bias(mask, ids.shape[1], torch.float32)
+    kept: list[tuple[Tensor, Tensor]] = []
+    for i, block in enumerate(base.layers):
+        past = None if cache is None else cache.layers[i]
+        attend = _attention(past, bias, dtype, kept)
+        x = layer(x, _TrainedLayer(block, weights[i], dims, dtype), attend, cos, sin)
+    if keep is not None:
+        x = x[:, -keep:]
+    return F.rms_norm(x, (x.shape[-1],), weight32(base.norm), eps_of(base.norm)), FastCache(kept)
+
+
+def lm_forward(model, ids: Tensor, mask: Tensor, positions: Tensor,
+               cache: FastCache | None = None, keep: int | None = None
+               ) -> tuple[Tensor, FastCache]:
+    """Logits (n, keep, V) of the last `keep` positions and the KV cache (see `backbone`)."""
+    hidden, cache = backbone(model, ids, mask, positions, cache, keep)
+    head = model.lm_head
+    return F.linear(hidden.to(compute_dtype(model)), head.weight, head.bias), cache
+
+
+# run(ids, mask, positions, cache, keep) -> (outputs (n, keep, ...), cache)
+Forward = Callable[..., tuple[Tensor, object]]
+
+
+def lm_forward_or(plain: Callable[..., Forward]) -> Callable[..., Forward]:
+    """forward_of(model): `lm_forward` on `model` where `unsupported(model)` is None, else
+    `plain(model)` (its own forward)."""
+
+    def forward_of(model) -> Forward:
+        if unsupported(model) is not None:
+            return plain(model)
+        return lambda ids, mask, positions, cache, keep: lm_forward(model, ids, mask, positions,
+                                                                   cache, keep)
+    return forward_of
+
+
+def backbone_or(plain: Callable[..., Forward]) -> Callable[..., Forward]:
+    """forward_of(stack): `backbone` (final-norm hidden states) on a bare decoder stack where
+    it is supported, else `plain(stack)`."""
+
+    def forward_of(stack) -> Forward:
+        if unsupported(stack, need_head=False) is not None:
+            return plain(stack)
+        return lambda ids, mask, positions, cache, keep: backbone(stack, ids, mask, positions,
+                                                                 cache, keep)
+    return forward_of
