@@ -245,4 +245,6 @@ def test_reserved_cache_gives_the_same_rollout_as_the_growing_cache(tiny, attent
     monkeypatch.setattr(module, "reserve_cache", lambda *args, **kwargs: None)
     plain = rollout(model, tokenizer, PROMPTS, **args)
     assert torch.equal(fast.completion_ids, plain.completion_ids)
-    torch.testing.assert_close(fast.old_logprobs, plain.old_logprobs, atol=1e-6, rtol=1e-6)
+    # keys by column change the order of the products' sums (AVX-512 kernels differ from
+    # AVX2 ones there): the log-probs agree to fp32 rounding of a few sums, not bit for bit
+    torch.testing.assert_close(fast.old_logprobs, plain.old_logprobs, atol=1e-5, rtol=1e-5)
