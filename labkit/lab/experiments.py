@@ -22,7 +22,7 @@ NOTEBOOK_DEFAULTS = dict(progress=False)  # no progress bars in notebook outputs
 
 def setup(threads: int = 1) -> None:
     """Torch on `threads` CPU threads (the embedded model's 128-wide matrices are too small
-    to share; on a busy machine extra threads mostly wait, several times slower), and no
+    to share; on a busy machine extra threads mostly wait), and no
     transformers progress bars (widgets in every cell that loads or saves a model)."""
     from transformers.utils import logging as hf_logging
 

@@ -134,7 +134,7 @@ def launcher(python: str) -> Launch:
 @lru_cache(maxsize=None)
 def child_code(python: str) -> bytes:
     """child.py compiled by `python` itself (its own bytecode format), once per interpreter:
-    compiling it in every child would add about 5 ms to each run. Sent on stdin, it needs
+    compiling it in every child would add to each run's start. Sent on stdin, it needs
     no read access to this file for the user the child runs as."""
     with open(CHILD_PATH, "rb") as f:
         source = f.read()
