@@ -13,7 +13,7 @@ from labkit.advantages import grpo
 
 TOL = dict(rtol=1e-6, atol=1e-6)
 TOL64 = dict(rtol=1e-12, atol=1e-12)
-AGGS = L.AGG_MODES
+AGGS = tuple(L.AGG_MODES)  # the registry's names, in order
 
 
 # ------------------------------------------------------------------ reference loops
