@@ -6,8 +6,9 @@ the PPO block the critic. Derived values are properties, never fields filled in 
 
 The checks come from the annotations (`labkit.fields`): a `Literal` lists a field's
 choices, a registry (`choice`) the functions it may name, `bounded` its numeric bounds, the
-type hint its type; the rules between fields are written by hand in `_check_rules`. Whether this machine has what the config names (a model folder, a GSM8K
-file, CUDA) is `preflight`'s question, asked by the trainer before it loads anything.
+type hint its type; the other rules are written by hand in the `_check_*` methods.
+Whether this machine has what the config names (a model folder, a GSM8K file, CUDA) is
+`preflight`'s question, asked by the trainer before it makes or loads anything.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from labkit.advantages import ESTIMATORS, Scale
 from labkit.fields import base_types, bounded, check, choice, choices, docs
 from labkit.losses import AGG_MODES, KlKind, Level
 from labkit.rewards import REWARDS
+
 
 @dataclass
 class TrainConfig:
@@ -168,12 +170,13 @@ class TrainConfig:
         message that names the field and the rule it breaks. Nothing here probes the
         machine (files, devices): that is `preflight`."""
         check(self)
-        self._check_rules()
+        self._check_ranges()
         self._check_task()
+        self._check_combinations()
         self._check_stop_rules()
 
-    def _check_rules(self) -> None:
-        """The rules no annotation states: the seed's range, and those between fields."""
+    def _check_ranges(self) -> None:
+        """The ranges no annotation states: the seed's, and GRPO's group size."""
         if not -2**32 < self.seed < 2**32:
             raise ValueError(f"seed must be an integer with |seed| < 2**32 (each step's seed is "
                              f"seed * 1000003 + step, which a generator must accept), got "
@@ -181,6 +184,9 @@ class TrainConfig:
         if self.algo == "grpo" and self.group_size < 2:
             raise ValueError(f"group_size must be >= 2: GRPO needs group_size >= 2 to compare "
                              f"completions, got {self.group_size}")
+
+    def _check_combinations(self) -> None:
+        """The device's spelling and the rules between fields."""
         if self.device is not None and not re.fullmatch(r"(cpu|cuda|mps)(:\d+)?", self.device):
             raise ValueError(f"device must be 'cpu', 'cuda', 'cuda:N' or 'mps' (or None), got "
                              f"{self.device!r}")
