@@ -1,7 +1,7 @@
 """Bad input never gets far: every TrainConfig field is checked when the config is made,
 what it names on this machine (files, devices) by `preflight` before a run makes or loads
-anything, and the command line (`train`, `eval`, `run`, `sweep`) turns a user error into one `error:`
-line and exit code 2, before any run folder is made or any model loads."""
+anything, and the command line (`train`, `eval`, `run`, `sweep`) turns a user error into one
+`error:` line and exit code 2, before any run folder is made or any model loads."""
 
 import json
 import math
