@@ -92,9 +92,9 @@ def parse_value(text: str, kind: type, name: str):
 def _train_parser(sub) -> None:
     from dataclasses import MISSING, fields
 
-    from labkit.config import TrainConfig, field_docs
+    from labkit.config import TrainConfig, field_choices, field_docs
 
-    docs = field_docs()
+    docs, choices = field_docs(), field_choices()
     cmd = sub.add_parser("train", help="run GRPO or PPO; every config field is an option",
                          description="Train with GRPO or PPO. Options not given keep the "
                                      "defaults of labkit.config.TrainConfig.")
@@ -102,8 +102,9 @@ def _train_parser(sub) -> None:
                      help="continue the run in RUN_DIR from its last checkpoint")
     for f in fields(TrainConfig):
         default = f.default if f.default is not MISSING else None
+        among = f" Choices: {choices[f.name]}." if f.name in choices else ""
         cmd.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, default=None,
-                         metavar="VALUE", help=f"{docs.get(f.name, '')} (default: "
+                         metavar="VALUE", help=f"{docs.get(f.name, '')}{among} (default: "
                                                f"{default!r})".replace("%", "%%").lstrip())
 
 

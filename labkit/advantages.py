@@ -1,13 +1,15 @@
 """Advantages: how much better one completion (or one token) did than its baseline.
 
-Shapes use the letters of REFERENCE.md: B prompts, G completions per prompt (the group),
+Shapes use the letters B prompts, G completions per prompt (the group),
 T completion tokens, N = B*G rows. Rewards are one scalar per completion, `(N,)`, with the
 G completions of a prompt next to each other (rows `b*G .. b*G+G-1`). `mask` `(N, T)` is
 nonzero on real completion tokens (up to and including EOS), zero on padding.
 
-Group-relative estimators (no critic): `grpo`, `dr_grpo`, `rloo`; `to_tokens` spreads their
-one-per-completion value over the tokens. Critic-based (PPO): `gae`. `whiten` normalises
-over the unmasked tokens of a batch.
+Group-relative estimators (no critic) live in the registry `ESTIMATORS`: `grpo`, `dr_grpo`,
+`rloo`, each `fn(rewards, group_size, *, scale, unbiased) -> (N,)`, adding one is one
+function decorated with `@ESTIMATORS.register(name)`; `to_tokens` spreads their
+one-per-completion value over the tokens. Critic-based (PPO): `gae`, and `ppo_advantages`,
+PPO's whole arrow (GAE, then `whiten`, which normalises over the unmasked tokens of a batch).
 
 All functions are pure and detach their inputs (advantages are targets, never
 differentiated). Math runs in fp32 whatever the input dtype; float64 inputs stay float64.
@@ -15,26 +17,24 @@ differentiated). Math runs in fp32 whatever the input dtype; float64 inputs stay
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 from torch import Tensor
 
+from labkit.checks import NonFiniteError, as_float, bool_mask, check_mask
+from labkit.registry import Registry
+
+# DeepSeekMath's group std / TRL scale_rewards="batch" / none (Dr. GRPO)
 Scale = Literal["group", "batch", "none"]
-SCALES = ("group", "batch", "none")  # DeepSeekMath's group std / TRL scale_rewards="batch" / Dr. GRPO
+SCALES = get_args(Scale)
 TokenMode = Literal["uniform", "discounted"]
-TOKEN_MODES = ("uniform", "discounted")
+TOKEN_MODES = get_args(TokenMode)
 
-
-class NonFiniteError(ValueError):
-    """NaN or inf where a finite number is needed: in the rewards or values given, or in a
-    result too large for the dtype. A training run stops on it with a checkpoint."""
-
-
-def _float(x) -> Tensor:
-    """Detached, at least fp32: float64 stays float64, everything else becomes fp32."""
-    x = torch.as_tensor(x).detach()
-    return x if x.dtype == torch.float64 else x.float()
+ESTIMATORS = Registry("advantage estimator", ("rewards", "group_size"), ("scale", "unbiased"))
+"""Group-relative estimators: rewards `(N,)` in groups of G -> one advantage per completion
+`(N,)`. `scale` and `unbiased` come from the config; an estimator that does not divide by a
+std takes and ignores them."""
 
 
 def _grouped(rewards, group_size: int, who: str) -> Tensor:
@@ -42,7 +42,7 @@ def _grouped(rewards, group_size: int, who: str) -> Tensor:
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 2:
         raise ValueError(f"{who} needs group_size >= 2 to compare completions, got "
                          f"group_size={group_size!r}")
-    r = _float(rewards)
+    r = as_float(rewards)
     if r.dim() != 1:
         raise ValueError(f"rewards must be 1-D (N,) with N = B*G, got shape {tuple(r.shape)}")
     if r.numel() % group_size != 0:
@@ -92,16 +92,18 @@ def _std_of_centered(c: Tensor, dim: int, unbiased: bool) -> Tensor:
     return s * (c / s_safe).std(dim, correction=1 if unbiased else 0, keepdim=True)
 
 
+@ESTIMATORS.register("grpo")
 def grpo(rewards: Tensor, group_size: int, *, scale: Scale = "group", eps: float = 1e-4,
          unbiased: bool = True) -> Tensor:
-    """Group-relative advantage of DeepSeekMath: A_i = (r_i - mean_g r) / (std + eps).
+    """GRPO's group z-score (DeepSeekMath, Shao et al., 2024):
+    A_i = (r_i - mean_g r) / (std + eps).
 
     rewards: `(N,)`, groups of `group_size` = G consecutive completions. Returns `(N,)`.
 
     scale: "group" divides by the std of the G rewards of the group (DeepSeekMath, TRL default);
     "batch" by the std of all N rewards, the mean staying the group mean (TRL
     `scale_rewards="batch"`); "none" does not divide (Dr. GRPO, same as `dr_grpo`).
-    unbiased: True divides the variance by G-1 (torch `std()`, TRL); False by G (seed 004).
+    unbiased: True divides the variance by G-1 (torch `std()`, TRL); False by G.
 
     Departures from the textbook formula: a group whose rewards are all equal gives exactly 0
     (never 0/0, whatever eps); the math runs on the rewards divided by a power of two
@@ -130,17 +132,23 @@ def grpo(rewards: Tensor, group_size: int, *, scale: Scale = "group", eps: float
     return (c / denom).reshape(-1)  # (N,)
 
 
-def dr_grpo(rewards: Tensor, group_size: int) -> Tensor:
-    """Dr. GRPO (arXiv 2503.20783): A_i = r_i - mean_g r, no std division, which removes the
-    bias toward too-easy and too-hard prompts. rewards `(N,)` -> `(N,)`."""
+@ESTIMATORS.register("dr_grpo")
+def dr_grpo(rewards: Tensor, group_size: int, **options) -> Tensor:
+    """Dr. GRPO (Liu et al., 2025): A_i = r_i - mean_g r, no std division, which removes the
+    bias toward too-easy and too-hard prompts. rewards `(N,)` -> `(N,)`.
+
+    options: the registry's `scale` and `unbiased`, unused (there is no std to divide by)."""
     return grpo(rewards, group_size, scale="none")
 
 
-def rloo(rewards: Tensor, group_size: int) -> Tensor:
-    """REINFORCE leave-one-out: A_i = r_i - (sum_{j != i} r_j) / (G-1). rewards `(N,)` -> `(N,)`.
+@ESTIMATORS.register("rloo")
+def rloo(rewards: Tensor, group_size: int, **options) -> Tensor:
+    """RLOO, REINFORCE leave-one-out (Ahmadian et al., 2024):
+    A_i = r_i - (sum_{j != i} r_j) / (G-1). rewards `(N,)` -> `(N,)`.
 
     Computed as the algebraically equal G/(G-1) * (r_i - mean_g r), which keeps a group of
-    equal rewards at exactly 0. So RLOO is Dr. GRPO scaled by G/(G-1).
+    equal rewards at exactly 0. So RLOO is Dr. GRPO scaled by G/(G-1). options: the
+    registry's `scale` and `unbiased`, unused.
     """
     r = _grouped(rewards, group_size, "RLOO")  # (B, G)
     unit = _unit_scale(r)
@@ -148,38 +156,22 @@ def rloo(rewards: Tensor, group_size: int) -> Tensor:
     return _scaled_back(c, unit, r, "RLOO").reshape(-1)  # (N,)
 
 
-def _bool_mask(mask, n: int, device) -> Tensor:
-    """The mask as bool `(N, T)`, after checking it is 2-D with `n` rows."""
-    mask = torch.as_tensor(mask)
-    if mask.dim() != 2 or mask.shape[0] != n:
-        raise ValueError(f"mask must be (N, T) with N={n} rows, got shape {tuple(mask.shape)}")
-    return mask.to(device) != 0
-
-
-def _check_mask(x: Tensor, mask, name: str) -> Tensor:
-    """The mask as bool `(N, T)`, after checking that `x` has its shape."""
-    m = _bool_mask(mask, x.shape[0] if x.dim() else -1, x.device)
-    if tuple(x.shape) != tuple(m.shape):
-        raise ValueError(f"{name} shape {tuple(x.shape)} must equal mask shape {tuple(m.shape)}")
-    return m
-
-
 def to_tokens(advantages: Tensor, mask: Tensor, *, mode: TokenMode = "uniform",
               gamma: float = 1.0) -> Tensor:
     """Spread one advantage per completion `(N,)` over its tokens -> `(N, T)`.
 
     mode "uniform": A_i on every unmasked token (GRPO).
-    mode "discounted" (seed 002): A_i * gamma^(T_i-1-t) / sum_t gamma^(T_i-1-t), where t counts
+    mode "discounted": A_i * gamma^(T_i-1-t) / sum_t gamma^(T_i-1-t), where t counts
     the unmasked tokens of row i and T_i is their number; the tokens near the end get more
     and the row sums to A_i (uniform rows sum to T_i * A_i). gamma = 1 gives A_i / T_i.
     Masked tokens get 0; an all-masked row is all 0. gamma in [0, 1].
     """
     if mode not in TOKEN_MODES:
         raise ValueError(f"mode must be one of {TOKEN_MODES}, got {mode!r}")
-    a = _float(advantages)
+    a = as_float(advantages)
     if a.dim() != 1:
         raise ValueError(f"advantages must be 1-D (N,), got shape {tuple(a.shape)}")
-    m = _bool_mask(mask, a.shape[0], a.device)  # (N, T)
+    m = bool_mask(mask, a.shape[0], a.device)  # (N, T)
     if mode == "uniform":
         return torch.where(m, a[:, None], torch.zeros((), dtype=a.dtype, device=a.device))
     if not 0.0 <= gamma <= 1.0:
@@ -195,7 +187,8 @@ def to_tokens(advantages: Tensor, mask: Tensor, *, mode: TokenMode = "uniform",
 
 def whiten(values: Tensor, mask: Tensor, *, eps: float = 1e-8, shift_mean: bool = True,
            unbiased: bool = True) -> Tensor:
-    """Global whitening (seed 002): (x - mean) / (std + eps) over the unmasked entries.
+    """Global whitening, as PPO implementations do (TRL's `masked_whiten`):
+    (x - mean) / (std + eps) over the unmasked entries.
 
     values, mask: `(N, T)` -> `(N, T)`. Mean and std use unmasked entries only; masked entries
     come back 0. unbiased=True uses the G-1-style correction (n-1), as TRL's `masked_whiten`.
@@ -206,8 +199,8 @@ def whiten(values: Tensor, mask: Tensor, *, eps: float = 1e-8, shift_mean: bool 
     """
     if not eps >= 0:
         raise ValueError(f"eps must be >= 0, got {eps!r}")
-    x = _float(values)
-    m = _check_mask(x, mask, "values")
+    x = as_float(values)
+    m = check_mask(x, mask, "values")
     xs = x[m]  # (n,) the unmasked entries
     if xs.numel() == 0:
         return torch.zeros_like(x)
@@ -241,12 +234,12 @@ def gae(token_rewards: Tensor, values: Tensor, mask: Tensor, *, gamma: float = 1
     for name, v in (("gamma", gamma), ("lam", lam)):
         if not 0.0 <= v <= 1.0:
             raise ValueError(f"{name} must be in [0, 1], got {v!r}")
-    r = _float(token_rewards)
-    v = _float(values).to(r.device)
+    r = as_float(token_rewards)
+    v = as_float(values).to(r.device)
     dtype = torch.promote_types(r.dtype, v.dtype)
     r, v = r.to(dtype), v.to(dtype)
-    m = _check_mask(r, mask, "token_rewards")
-    _check_mask(v, mask, "values")
+    m = check_mask(r, mask, "token_rewards")
+    check_mask(v, mask, "values")
     for name, x in (("token_rewards", r), ("values", v)):
         if not torch.isfinite(x[m]).all():
             raise NonFiniteError(f"gae: {name} must be finite on unmasked tokens; got NaN or "
@@ -268,5 +261,19 @@ def gae(token_rewards: Tensor, values: Tensor, mask: Tensor, *, gamma: float = 1
     return adv, returns
 
 
-__all__ = ["SCALES", "TOKEN_MODES", "NonFiniteError", "grpo", "dr_grpo", "rloo", "to_tokens",
-           "whiten", "gae"]
+def ppo_advantages(token_rewards: Tensor, values: Tensor, mask: Tensor, *, gamma: float = 1.0,
+                   lam: float = 0.95, whiten_advantages: bool = True) -> tuple[Tensor, Tensor]:
+    """PPO's advantage arrow (InstructGPT; Schulman et al., 2017): token rewards -> `gae` ->
+    `whiten` over the batch's unmasked tokens -> (advantages, returns), each `(N, T)`.
+
+    token_rewards, values, mask: `(N, T)`. The returns, the critic's target, are GAE's,
+    before whitening; whiten_advantages=False leaves the advantages as GAE gives them.
+    """
+    advantages, returns = gae(token_rewards, values, mask, gamma=gamma, lam=lam)
+    if whiten_advantages:
+        advantages = whiten(advantages, mask)
+    return advantages, returns
+
+
+__all__ = ["SCALES", "TOKEN_MODES", "ESTIMATORS", "NonFiniteError", "grpo", "dr_grpo", "rloo",
+           "to_tokens", "whiten", "gae", "ppo_advantages"]

@@ -55,13 +55,11 @@ class Learner:
 
 
 def group_advantages(config: TrainConfig, rewards: Tensor) -> Tensor:
-    """GRPO's arrow: one advantage per completion (N,), from its group alone."""
-    G = config.group_size
-    if config.estimator == "grpo":
-        return adv.grpo(rewards, G, scale=config.scale, unbiased=config.std_unbiased)
-    if config.estimator == "dr_grpo":
-        return adv.dr_grpo(rewards, G)
-    return adv.rloo(rewards, G)
+    """GRPO's arrow: one advantage per completion (N,), from its group alone, by the
+    estimator `config.estimator` of `labkit.advantages.ESTIMATORS`."""
+    estimator = adv.ESTIMATORS.resolve(config.estimator, "estimator")
+    return estimator(rewards, config.group_size, scale=config.scale,
+                     unbiased=config.std_unbiased)  # (N,)
 
 
 def kept_rows(config: TrainConfig, rewards: Tensor) -> Tensor:
@@ -214,10 +212,9 @@ def ppo_step(config: TrainConfig, learner: Learner, batch: RolloutBatch, rewards
         rewards, mask, logp=batch.old_logprobs if ref_logp is not None else None,
         ref_logp=ref_logp, beta=config.beta if ref_logp is not None else 0.0,
         kind=config.kl_kind)
-    advantages, returns = adv.gae(token_rewards, old_values, mask, gamma=config.gamma,
-                                  lam=config.lam)
-    if config.whiten_advantages:
-        advantages = adv.whiten(advantages, mask)
+    advantages, returns = adv.ppo_advantages(token_rewards, old_values, mask,
+                                             gamma=config.gamma, lam=config.lam,
+                                             whiten_advantages=config.whiten_advantages)
     rows = torch.arange(rewards.shape[0], device=rewards.device)
     stats = update(config, learner, batch, rows, advantages, step_seed,
                    old_values=old_values, returns=returns)

@@ -1,6 +1,6 @@
 """Losses: the clipped policy objective, its aggregation over tokens, KL, entropy, the critic.
 
-Shapes use the letters of REFERENCE.md: B prompts, G completions per prompt, T completion
+Shapes use the letters B prompts, G completions per prompt, T completion
 tokens, N = B*G rows, V vocabulary. `logp` `(N, T)` are log-probs of the sampled tokens;
 `mask` `(N, T)` is nonzero on real completion tokens, zero on padding. Padding may hold any
 value, even inf or NaN: it is selected away (`torch.where`), never multiplied by 0.
@@ -12,59 +12,78 @@ detached: only `logp`, `values` and `logits` carry gradient.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from labkit.advantages import NonFiniteError, _bool_mask, _check_mask, _float
+from labkit.checks import NonFiniteError, as_float, bool_mask, check_mask
+from labkit.registry import Registry
 
-Agg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
-AGG_MODES = (
-    "token-mean",  # sum l / sum mask: DAPO, TRL loss_type="dapo", verl default
-    "seq-mean-token-mean",  # mean_i (sum_t l / T_i): original GRPO, TRL "grpo"
-    "seq-mean-token-sum",  # mean_i sum_t l: seed 003's sum of log-probs
-    "seq-mean-token-sum-norm",  # sum l / (N * L_max): Dr. GRPO, TRL "dr_grpo"
-)
 Level = Literal["token", "sequence"]
-LEVELS = ("token", "sequence")  # PPO's per-token ratio / GSPO's per-sequence ratio
+LEVELS = get_args(Level)  # PPO's per-token ratio / GSPO's per-sequence ratio
 KlKind = Literal["k1", "k2", "k3"]
-KL_KINDS = ("k1", "k2", "k3")  # Schulman's estimators; k3 is DeepSeekMath's
+KL_KINDS = get_args(KlKind)  # Schulman's estimators; k3 is DeepSeekMath's
+
+AGG_MODES = Registry("loss aggregation mode", ("masked", "mask"), ("max_len",))
+"""How per-token losses become one number: `fn(masked, mask, *, max_len) -> scalar`, with
+masked `(N, T)` the per-token loss set to 0 on padding, mask `(N, T)` bool and max_len the
+completion budget or None. Called through `aggregate`, which checks the inputs."""
 
 
-def _up(x: Tensor) -> Tensor:
-    """At least fp32, keeping the graph (unlike `_float`, which detaches)."""
-    return x if x.dtype == torch.float64 else x.float()
+@AGG_MODES.register("token-mean")
+def token_mean(masked: Tensor, mask: Tensor, *, max_len: int | None = None) -> Tensor:
+    """Token mean (DAPO, Yu et al., 2025; TRL loss_type="dapo", verl's default):
+    sum_{i,t} l / sum mask, every token of the batch weighs the same."""
+    return masked.sum() / mask.sum().clamp(min=1)
 
 
-def aggregate(per_token: Tensor, mask: Tensor, agg: Agg = "token-mean", *,
-              max_len: int | None = None) -> Tensor:
-    """Reduce a per-token loss `(N, T)` to a scalar over the unmasked tokens.
+@AGG_MODES.register("seq-mean-token-mean")
+def seq_mean_token_mean(masked: Tensor, mask: Tensor, *, max_len: int | None = None) -> Tensor:
+    """Sequence mean of token means (GRPO in DeepSeekMath; TRL loss_type="grpo"):
+    mean_i (sum_t l / T_i), T_i clamped to >= 1; a long completion's tokens weigh less."""
+    return (masked.sum(1) / mask.sum(1).clamp(min=1)).sum() / max(mask.shape[0], 1)
 
-    token-mean: sum_{i,t} l / sum mask. seq-mean-token-mean: mean_i (sum_t l / T_i), T_i
-    clamped to >= 1. seq-mean-token-sum: mean_i sum_t l. seq-mean-token-sum-norm:
-    sum_{i,t} l / (N * max_len), max_len defaulting to T = mask.shape[1] (TRL's dr_grpo uses
-    max_completion_length). An all-zero mask gives 0, not NaN, and a zero gradient.
-    Single process: the denominators are this batch's, not a count across devices.
-    """
-    if agg not in AGG_MODES:
-        raise ValueError(f"agg must be one of {AGG_MODES}, got {agg!r}")
-    l = _up(per_token)
-    m = _check_mask(l, mask, "per_token")
-    n_rows, t_len = m.shape
-    masked = torch.where(m, l, torch.zeros((), dtype=l.dtype, device=l.device))  # (N, T)
-    if agg == "token-mean":
-        return masked.sum() / m.sum().clamp(min=1)
-    row = masked.sum(1)  # (N,)
-    if agg == "seq-mean-token-mean":
-        return (row / m.sum(1).clamp(min=1)).sum() / max(n_rows, 1)
-    if agg == "seq-mean-token-sum":
-        return row.sum() / max(n_rows, 1)
+
+@AGG_MODES.register("seq-mean-token-sum")
+def seq_mean_token_sum(masked: Tensor, mask: Tensor, *, max_len: int | None = None) -> Tensor:
+    """Sequence mean of token sums (REINFORCE on the sequence's summed log-probs):
+    mean_i sum_t l."""
+    return masked.sum(1).sum() / max(mask.shape[0], 1)
+
+
+@AGG_MODES.register("seq-mean-token-sum-norm")
+def seq_mean_token_sum_norm(masked: Tensor, mask: Tensor, *,
+                            max_len: int | None = None) -> Tensor:
+    """Token sum over a constant (Dr. GRPO, Liu et al., 2025; TRL loss_type="dr_grpo"):
+    sum_{i,t} l / (N * max_len), max_len defaulting to T = mask.shape[1] (TRL uses
+    max_completion_length), so no length normalisation biases the gradient."""
+    n_rows, t_len = mask.shape
     max_len = max(t_len, 1) if max_len is None else max_len  # T = 0: no token, loss 0
     if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1:
         raise ValueError(f"max_len must be a positive int, got {max_len!r}")
-    return row.sum() / max(n_rows * max_len, 1)
+    return masked.sum(1).sum() / max(n_rows * max_len, 1)
+
+
+def _up(x: Tensor) -> Tensor:
+    """At least fp32, keeping the graph (unlike `checks.as_float`, which detaches)."""
+    return x if x.dtype == torch.float64 else x.float()
+
+
+def aggregate(per_token: Tensor, mask: Tensor, agg: str = "token-mean", *,
+              max_len: int | None = None) -> Tensor:
+    """Reduce a per-token loss `(N, T)` to a scalar over the unmasked tokens, by the mode
+    `agg` of `AGG_MODES` (a name, or an import path `package.module:function`).
+
+    An all-zero mask gives 0, not NaN, and a zero gradient. Single process: the
+    denominators are this batch's, not a count across devices.
+    """
+    mode = AGG_MODES.resolve(agg, "agg")
+    l = _up(per_token)
+    m = check_mask(l, mask, "per_token")
+    masked = torch.where(m, l, torch.zeros((), dtype=l.dtype, device=l.device))  # (N, T)
+    return mode(masked, m, max_len=max_len)
 
 
 def _fraction(flags: Tensor, m: Tensor) -> float:
@@ -74,7 +93,7 @@ def _fraction(flags: Tensor, m: Tensor) -> float:
 
 def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *,
                 eps_low: float = 0.2, eps_high: float = 0.2, dual_clip: float | None = None,
-                level: Level = "token", agg: Agg = "token-mean",
+                level: Level = "token", agg: str = "token-mean",
                 max_len: int | None = None) -> tuple[Tensor, dict[str, float]]:
     """PPO/GRPO clipped surrogate -> (scalar loss, stats).
 
@@ -95,27 +114,9 @@ def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor
     "clip/high" (rho > 1+eps_high and A > 0), "clip/dual" (the dual cap is active),
     "ratio/mean", "ratio/max" (0.0 when no token is unmasked).
     """
-    if level not in LEVELS:
-        raise ValueError(f"level must be one of {LEVELS}, got {level!r}")
-    if not 0.0 <= eps_low < 1.0:
-        raise ValueError(f"eps_low must be in [0, 1) so the lower bound 1-eps_low stays > 0, got {eps_low!r}")
-    if not eps_high >= 0.0:
-        raise ValueError(f"eps_high must be >= 0, got {eps_high!r}")
-    if dual_clip is not None and not dual_clip > 1.0:
-        raise ValueError(f"dual_clip must be None or > 1 (a cap of c * |A| above the clip), got {dual_clip!r}")
-    lp = _up(logp)
-    m = _check_mask(lp, mask, "logp")
-    old = _float(old_logp).to(lp.device)
-    _check_mask(old, mask, "old_logp")
-    a = _float(advantages).to(lp.device)
-    if a.dim() == 1 and a.shape[0] == lp.shape[0]:
-        a = a[:, None].expand_as(lp)  # (N, T)
-    elif tuple(a.shape) != tuple(lp.shape):
-        raise ValueError(f"advantages must be (N,) or (N, T) = {tuple(lp.shape)}, got {tuple(a.shape)}")
-    dtype = torch.promote_types(lp.dtype, torch.promote_types(old.dtype, a.dtype))
-    lp, old, a = lp.to(dtype), old.to(dtype), a.to(dtype)
-    zero = torch.zeros((), dtype=dtype, device=lp.device)
-    a = torch.where(m, a, zero)
+    _check_clip(level, eps_low, eps_high, dual_clip)
+    lp, old, a, m = _surrogate_inputs(logp, old_logp, advantages, mask)
+    zero = torch.zeros((), dtype=lp.dtype, device=lp.device)
     # padding may hold -inf log-probs; its log-ratio is set to 0 before exp
     log_ratio = torch.where(m, lp - old, zero)  # (N, T)
     if level == "sequence":
@@ -130,16 +131,52 @@ def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor
         dual = (a < 0) & (per_token > cap)
         per_token = torch.where(dual, cap, per_token)
     loss = aggregate(per_token, m, agg, max_len=max_len)
-    with torch.no_grad():
-        r = ratio.detach()
-        stats = {
-            "clip/low": _fraction((r < 1.0 - eps_low) & (a < 0), m),
-            "clip/high": _fraction((r > 1.0 + eps_high) & (a > 0), m),
-            "clip/dual": _fraction(dual, m),
-            "ratio/mean": (r[m].sum().item() / max(int(m.sum().item()), 1)),
-            "ratio/max": r[m].max().item() if m.any() else 0.0,
-        }
-    return loss, stats
+    return loss, _clip_stats(ratio.detach(), a, m, dual, eps_low, eps_high)
+
+
+def _check_clip(level: str, eps_low: float, eps_high: float, dual_clip: float | None) -> None:
+    if level not in LEVELS:
+        raise ValueError(f"level must be one of {LEVELS}, got {level!r}")
+    if not 0.0 <= eps_low < 1.0:
+        raise ValueError("eps_low must be in [0, 1) so the lower bound 1-eps_low stays > 0, "
+                         f"got {eps_low!r}")
+    if not eps_high >= 0.0:
+        raise ValueError(f"eps_high must be >= 0, got {eps_high!r}")
+    if dual_clip is not None and not dual_clip > 1.0:
+        raise ValueError("dual_clip must be None or > 1 (a cap of c * |A| above the clip), "
+                         f"got {dual_clip!r}")
+
+
+def _surrogate_inputs(logp, old_logp, advantages, mask) -> tuple[Tensor, ...]:
+    """logp (with its graph), old_logp and advantages `(N, T)` in one promoted dtype, the
+    advantages 0 on padding, and the bool mask."""
+    lp = _up(logp)
+    m = check_mask(lp, mask, "logp")
+    old = as_float(old_logp).to(lp.device)
+    check_mask(old, mask, "old_logp")
+    a = as_float(advantages).to(lp.device)
+    if a.dim() == 1 and a.shape[0] == lp.shape[0]:
+        a = a[:, None].expand_as(lp)  # (N, T)
+    elif tuple(a.shape) != tuple(lp.shape):
+        raise ValueError(f"advantages must be (N,) or (N, T) = {tuple(lp.shape)}, "
+                         f"got {tuple(a.shape)}")
+    dtype = torch.promote_types(lp.dtype, torch.promote_types(old.dtype, a.dtype))
+    lp, old, a = lp.to(dtype), old.to(dtype), a.to(dtype)
+    a = torch.where(m, a, torch.zeros((), dtype=dtype, device=lp.device))
+    return lp, old, a, m
+
+
+@torch.no_grad()
+def _clip_stats(r: Tensor, a: Tensor, m: Tensor, dual: Tensor, eps_low: float,
+                eps_high: float) -> dict[str, float]:
+    """policy_loss's stats from the detached ratio r, the advantages a and the mask m."""
+    return {
+        "clip/low": _fraction((r < 1.0 - eps_low) & (a < 0), m),
+        "clip/high": _fraction((r > 1.0 + eps_high) & (a > 0), m),
+        "clip/dual": _fraction(dual, m),
+        "ratio/mean": (r[m].sum().item() / max(int(m.sum().item()), 1)),
+        "ratio/max": r[m].max().item() if m.any() else 0.0,
+    }
 
 
 def kl(logp: Tensor, ref_logp: Tensor, kind: KlKind = "k3", *, mask: Tensor | None = None) -> Tensor:
@@ -154,7 +191,7 @@ def kl(logp: Tensor, ref_logp: Tensor, kind: KlKind = "k3", *, mask: Tensor | No
     if kind not in KL_KINDS:
         raise ValueError(f"kind must be one of {KL_KINDS}, got {kind!r}")
     lp = _up(logp)
-    ref = _float(ref_logp).to(lp.device)
+    ref = as_float(ref_logp).to(lp.device)
     if tuple(ref.shape) != tuple(lp.shape):
         raise ValueError(f"ref_logp shape {tuple(ref.shape)} must equal logp shape {tuple(lp.shape)}")
     x = ref - lp
@@ -168,7 +205,7 @@ def kl(logp: Tensor, ref_logp: Tensor, kind: KlKind = "k3", *, mask: Tensor | No
         series = x * x * (0.5 + x * (1.0 / 6.0 + x / 24.0))
         out = torch.where(x.abs() < 1e-2, series, torch.expm1(x) - x)
     if mask is not None:
-        m = _check_mask(out, mask, "logp")
+        m = check_mask(out, mask, "logp")
         out = torch.where(m, out, torch.zeros((), dtype=out.dtype, device=out.device))
     return out
 
@@ -206,7 +243,7 @@ def entropy(logits: Tensor, *, chunk_size: int = 1024) -> Tensor:
 
 
 def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, *,
-               clip: float | None = 0.2, agg: Agg = "token-mean",
+               clip: float | None = 0.2, agg: str = "token-mean",
                max_len: int | None = None) -> tuple[Tensor, dict[str, float]]:
     """PPO critic loss -> (scalar loss, stats); values, old_values, returns, mask `(N, T)`.
 
@@ -218,11 +255,11 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor
     if clip is not None and not clip >= 0:
         raise ValueError(f"clip must be None or >= 0, got {clip!r}")
     v = _up(values)
-    m = _check_mask(v, mask, "values")
-    old = _float(old_values).to(v.device)
-    ret = _float(returns).to(v.device)
-    _check_mask(old, mask, "old_values")
-    _check_mask(ret, mask, "returns")
+    m = check_mask(v, mask, "values")
+    old = as_float(old_values).to(v.device)
+    ret = as_float(returns).to(v.device)
+    check_mask(old, mask, "old_values")
+    check_mask(ret, mask, "returns")
     dtype = torch.promote_types(v.dtype, torch.promote_types(old.dtype, ret.dtype))
     v, old, ret = v.to(dtype), old.to(dtype), ret.to(dtype)
     err = (v - ret) ** 2  # (N, T)
@@ -245,14 +282,14 @@ def ppo_token_rewards(rewards: Tensor, mask: Tensor, *, logp: Tensor | None = No
     (logp and ref_logp `(N, T)` required then). Masked tokens and all-masked rows are 0.
     Everything is detached: the reward is a constant for the policy gradient.
     """
-    r = _float(rewards)
+    r = as_float(rewards)
     if r.dim() != 1:
         raise ValueError(f"rewards must be 1-D (N,), got shape {tuple(r.shape)}")
     if not torch.isfinite(r).all():
         raise NonFiniteError("rewards must be finite; got NaN or inf (check the reward function)")
     if not beta >= 0:
         raise ValueError(f"beta must be >= 0, got {beta!r}")
-    m = _bool_mask(mask, r.shape[0], r.device)  # (N, T)
+    m = bool_mask(mask, r.shape[0], r.device)  # (N, T)
     n_rows, t_len = m.shape
     pos = torch.arange(t_len, device=r.device).expand(n_rows, t_len)
     last = torch.where(m, pos, torch.full_like(pos, -1)).amax(1) if t_len else \
@@ -263,7 +300,7 @@ def ppo_token_rewards(rewards: Tensor, mask: Tensor, *, logp: Tensor | None = No
     if beta > 0:
         if logp is None or ref_logp is None:
             raise ValueError("beta > 0 needs logp and ref_logp for the per-token KL penalty")
-        penalty = kl(_float(logp), ref_logp, kind, mask=m).to(out.dtype)
+        penalty = kl(as_float(logp), ref_logp, kind, mask=m).to(out.dtype)
         out = out - beta * penalty
     return out
 

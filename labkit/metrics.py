@@ -1,7 +1,7 @@
 """Monitoring metrics of one RL step: pure functions from plain tensors to Python floats.
 
 Every key lives in one namespace table, `METRICS`, from which docs/metrics.md is generated.
-Shapes use REFERENCE.md's letters: B prompts, G completions per prompt (the group), T
+Shapes use the letters B prompts, G completions per prompt (the group), T
 completion tokens, N = B*G rows; `mask` (N, T) is 1 on real completion tokens (EOS
 included), 0 on padding. Inputs may be any float dtype on any device; the math runs in fp32
 on that device. Values at masked positions are ignored, even NaN or inf; non-finite values
@@ -19,6 +19,8 @@ from collections.abc import Mapping
 
 import torch
 from torch import Tensor
+
+from labkit.checks import float_like, float_tensor, zero_one
 
 METRICS: dict[str, str] = {
     "rollout/reward_mean": "mean reward over the N = B*G completions of the step",
@@ -102,38 +104,6 @@ def metrics_table() -> str:
 
 # ---------------------------------------------------------------------------- validation
 
-def _tensor(x, name: str, ndims: tuple[int, ...]) -> Tensor:
-    """x as an fp32 tensor on its own device, with one of the allowed numbers of dims."""
-    if not isinstance(x, Tensor):
-        try:
-            x = torch.as_tensor(x)
-        except (TypeError, ValueError, RuntimeError) as err:
-            raise TypeError(f"{name} must be a tensor, got {type(x).__name__}") from err
-    if x.ndim not in ndims or x.numel() == 0:
-        want = " or ".join({1: "(N,)", 2: "(N, T)"}[d] for d in ndims)
-        raise ValueError(f"{name} must be a non-empty {want} tensor, got shape {tuple(x.shape)}")
-    return x.float()
-
-
-def _bool(x, name: str, shape: tuple[int, ...], device: torch.device) -> Tensor:
-    """A 0/1 (or bool) tensor of exactly `shape`, as bool on `device`."""
-    t = _tensor(x, name, (len(shape),))
-    if tuple(t.shape) != shape:
-        raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
-    if not ((t == 0) | (t == 1)).all():
-        raise ValueError(f"{name} must hold only 0 and 1 (or bool)")
-    return t.to(device) != 0
-
-
-def _like(x, name: str, ref: Tensor, ref_name: str) -> Tensor:
-    """An fp32 tensor of the same shape as `ref`, on its device."""
-    t = _tensor(x, name, (ref.ndim,))
-    if t.shape != ref.shape:
-        raise ValueError(f"{name} must have the shape of {ref_name} {tuple(ref.shape)}, "
-                         f"got {tuple(t.shape)}")
-    return t.to(ref.device)
-
-
 def _groups(x: Tensor, group_size: int, name: str) -> Tensor:
     """(N,) -> (B, G), checking that group_size divides N."""
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
@@ -156,7 +126,7 @@ def _row_scalars(adv: Tensor, mask, name: str) -> Tensor:
         return adv
     if mask is None:
         raise ValueError(f"mask is required when {name} is (N, T)")
-    m = _bool(mask, "mask", tuple(adv.shape), adv.device)
+    m = zero_one(mask, "mask", tuple(adv.shape), adv.device)
     return torch.where(m, adv, 0.0).sum(1) / m.sum(1).clamp(min=1)
 
 
@@ -164,8 +134,8 @@ def _row_scalars(adv: Tensor, mask, name: str) -> Tensor:
 
 def masked_mean(x, mask) -> float:
     """Mean of x (N, T) over the positions where mask (N, T) is 1; 0.0 when none is."""
-    x = _tensor(x, "x", (1, 2))
-    vals = x[_bool(mask, "mask", tuple(x.shape), x.device)]
+    x = float_tensor(x, "x", (1, 2))
+    vals = x[zero_one(mask, "mask", tuple(x.shape), x.device)]
     return vals.mean().item() if vals.numel() else 0.0
 
 
@@ -176,7 +146,7 @@ def reward_stats(rewards, group_size: int) -> dict[str, float]:
     group_size=1 gives a group std of 0 and every group counts as zero-std. A group is
     zero-std when its rewards are exactly equal: its GRPO advantage is 0, it teaches nothing.
     """
-    r = _tensor(rewards, "rewards", (1,))
+    r = float_tensor(rewards, "rewards", (1,))
     g = _groups(r, group_size, "rewards")  # (B, G)
     return {"rollout/reward_mean": r.mean().item(),
             "rollout/reward_std": _std(r).item(),
@@ -187,8 +157,8 @@ def reward_stats(rewards, group_size: int) -> dict[str, float]:
 def gav(advantages, group_size: int, *, mask=None, unbiased: bool = False) -> float:
     """Group advantage variance: mean over the B groups of std_g(A_i).
 
-    Despite its name, REFERENCE.md (after seed 000) defines GAV as a standard deviation,
-    not a variance, and so does this function. advantages (N,) one per completion, or
+    Despite its name, GAV is defined as a standard deviation, not a variance, and so is it
+    here. advantages (N,) one per completion, or
     (N, T) per token with mask (N, T): each row is first reduced to the mean over its
     unmasked tokens (0 for an all-masked row). That recovers A_i for the uniform token
     distribution and for PPO's GAE gives the row's mean token advantage; for the discounted
@@ -196,7 +166,7 @@ def gav(advantages, group_size: int, *, mask=None, unbiased: bool = False) -> fl
     unbiased=False divides by G (a group of one has std 0); True divides by G - 1 and needs
     group_size >= 2.
     """
-    a = _tensor(advantages, "advantages", (1, 2))
+    a = float_tensor(advantages, "advantages", (1, 2))
     g = _groups(_row_scalars(a, mask, "advantages"), group_size, "advantages")  # (B, G)
     if unbiased and group_size < 2:
         raise ValueError("the unbiased std divides by G - 1: it needs group_size >= 2")
@@ -215,10 +185,10 @@ def tlcr(logp, old_logp, advantages, mask, *, eps_low: float, eps_high: float,
     max(ratio, clip(ratio)) > c. All-masked: every fraction 0.0. This counts token ratios;
     a sequence-level (GSPO) loss clips per sequence, so log that loss's own counts instead.
     """
-    lp = _tensor(logp, "logp", (2,))
-    old = _like(old_logp, "old_logp", lp, "logp")
-    m = _bool(mask, "mask", tuple(lp.shape), lp.device)
-    a = _tensor(advantages, "advantages", (1, 2)).to(lp.device)
+    lp = float_tensor(logp, "logp", (2,))
+    old = float_like(old_logp, "old_logp", lp, "logp")
+    m = zero_one(mask, "mask", tuple(lp.shape), lp.device)
+    a = float_tensor(advantages, "advantages", (1, 2)).to(lp.device)
     if a.shape != lp.shape and tuple(a.shape) != (lp.shape[0],):
         raise ValueError(f"advantages must be (N,) = ({lp.shape[0]},) or (N, T) = "
                          f"{tuple(lp.shape)}, got {tuple(a.shape)}")
@@ -247,9 +217,9 @@ def ratio_stats(logp, old_logp, mask) -> dict[str, float]:
 
     All-masked: both 1.0, the on-policy value. A log-ratio above ~88 overflows fp32 to inf.
     """
-    lp = _tensor(logp, "logp", (2,))
-    old = _like(old_logp, "old_logp", lp, "logp")
-    ratio = torch.exp(lp - old)[_bool(mask, "mask", tuple(lp.shape), lp.device)]
+    lp = float_tensor(logp, "logp", (2,))
+    old = float_like(old_logp, "old_logp", lp, "logp")
+    ratio = torch.exp(lp - old)[zero_one(mask, "mask", tuple(lp.shape), lp.device)]
     if not ratio.numel():
         return {"ratio/mean": 1.0, "ratio/max": 1.0}
     return {"ratio/mean": ratio.mean().item(), "ratio/max": ratio.max().item()}
@@ -265,7 +235,7 @@ def cgc(rewards, group_size: int, *, eps: float = 1e-8) -> float:
     the result is 0.0: read it together with eval/accuracy. |mean| keeps the value >= 0 for
     rewards that can be negative.
     """
-    r = _tensor(rewards, "rewards", (1,))
+    r = float_tensor(rewards, "rewards", (1,))
     g = _groups(r, group_size, "rewards")  # (B, G)
     if not eps >= 0:
         raise ValueError(f"eps must be >= 0, got {eps}")
@@ -282,9 +252,9 @@ def advantage_stats(advantages, mask=None) -> dict[str, float]:
     advantages (N,): over the N completions (mask, if given, is not used). (N, T): over the
     tokens where mask (N, T) is 1, all tokens when mask is None. Nothing selected: all 0.0.
     """
-    a = _tensor(advantages, "advantages", (1, 2))
+    a = float_tensor(advantages, "advantages", (1, 2))
     if a.ndim == 2 and mask is not None:
-        a = a[_bool(mask, "mask", tuple(a.shape), a.device)]
+        a = a[zero_one(mask, "mask", tuple(a.shape), a.device)]
     a = a.flatten()
     if not a.numel():
         return {"adv/mean": 0.0, "adv/std": 0.0, "adv/min": 0.0, "adv/max": 0.0}
@@ -303,16 +273,16 @@ def entropy_stats(entropy_per_token, mask) -> dict[str, float]:
 
 
 def _truncated_stats(truncated, n: int | None = None) -> dict[str, float]:
-    t = _tensor(truncated, "truncated", (1,))
-    t = _bool(t, "truncated", (n if n is not None else t.shape[0],), t.device)
+    t = float_tensor(truncated, "truncated", (1,))
+    t = zero_one(t, "truncated", (n if n is not None else t.shape[0],), t.device)
     return {"rollout/truncated_frac": t.float().mean().item()}
 
 
 def length_stats(mask, truncated=None) -> dict[str, float]:
     """Completion lengths from mask (N, T): `rollout/length_mean`, `rollout/length_max` in tokens;
     with truncated (N,) bool (hit max_new_tokens without EOS) also `rollout/truncated_frac`."""
-    m = _tensor(mask, "mask", (2,))
-    m = _bool(m, "mask", tuple(m.shape), m.device)
+    m = float_tensor(mask, "mask", (2,))
+    m = zero_one(m, "mask", tuple(m.shape), m.device)
     lengths = m.sum(1).float()  # (N,)
     out = {"rollout/length_mean": lengths.mean().item(),
            "rollout/length_max": lengths.max().item()}
@@ -331,9 +301,9 @@ def explained_variance(values, returns, mask) -> float:
     force_finite=True: 1.0 when R - V is constant too (a constant offset is not penalised,
     as in the formula), else 0.0. No unmasked token: 0.0. Can be < 0 (worse than a constant).
     """
-    v = _tensor(values, "values", (1, 2))
-    r = _like(returns, "returns", v, "values")
-    m = _bool(mask, "mask", tuple(v.shape), v.device)
+    v = float_tensor(values, "values", (1, 2))
+    r = float_like(returns, "returns", v, "values")
+    m = zero_one(mask, "mask", tuple(v.shape), v.device)
     r, d = r[m], (r - v)[m]
     if not r.numel():
         return 0.0
@@ -402,7 +372,12 @@ def step_metrics(*, rewards, group_size: int, advantages=None, mask=None, logp=N
         raise ValueError("values and returns go together: pass both or neither")
     if values is not None:
         out["value/explained_var"] = explained_variance(values, returns, mask)
-    for key, value in (extra or {}).items():
+    return _merged(out, extra or {})
+
+
+def _merged(out: dict[str, float], extra: Mapping[str, float]) -> dict[str, float]:
+    """`out` with `extra`'s values as floats; a key must be namespaced and not computed."""
+    for key, value in extra.items():
         if not isinstance(key, str) or not _KEY.match(key):
             raise ValueError(f"extra key {key!r} must be namespaced like 'loss/policy'")
         if key in out:

@@ -9,6 +9,9 @@ ignored. A completion is a string or TRL's conversational form, a list of messag
 Verifiable reward (RLVR): 1.0 when the final answer is mathematically equivalent to the
 ground truth, by math-verify rather than string comparison. Shaping, combination and
 reward-model score normalisation are small wrappers around that.
+
+`REWARDS` is the registry of the rewards a training run can be given by name (the config's
+`reward`); adding one is one function decorated with `@REWARDS.register(name)`.
 """
 
 from __future__ import annotations
@@ -25,8 +28,13 @@ from typing import Callable, Literal, Sequence
 from math_verify import parse, verify
 
 from labkit.answers import _last_box_span, extract_answer, gsm8k_ground_truth
+from labkit.registry import Registry
 
 RewardFn = Callable[..., list]
+
+REWARDS = Registry("reward", ("completions",), ("answer",))
+"""Rewards by name, TRL's form: `fn(completions, *, answer, **kwargs) -> list[float]`, one
+float per completion; the trainer passes the ground truths as `answer`."""
 
 # seconds; used only in the main thread, where math-verify can time out with signal.alarm
 PARSE_TIMEOUT = 5
@@ -156,8 +164,9 @@ def per_completion(values, name: str, completions: Sequence, missing: str) -> No
                          f"{len(completions)}: one entry per completion")
 
 
+@REWARDS.register("correctness")
 def correctness(completions: Sequence, answer: Sequence | None = None, **kwargs) -> list[float]:
-    r"""Verifiable reward: r_i = 1 if extract(completion_i) == answer_i mathematically, else 0.
+    r"""Verifiable reward (RLVR, Lambert et al., 2024): r_i = 1 if extract(completion_i) == answer_i mathematically, else 0.
 
     The final answer is the last `\boxed{...}`, else `#### N`, else "the answer is N", else a
     final `A: N` line (`labkit.answers.extract_answer`); no answer scores 0. Equivalence is

@@ -24,9 +24,9 @@ from labkit import metrics as M
 from labkit import rundir, stops
 from labkit.advantages import NonFiniteError
 from labkit.algos import Learner, StepOutput, grpo_step, ppo_step
-from labkit.config import TrainConfig
+from labkit.config import TrainConfig, preflight
 from labkit.evaluation import complete, evaluate
-from labkit.rewards import RewardError, check_rewards, correctness
+from labkit.rewards import REWARDS, RewardError, check_rewards, correctness
 from labkit.rollout import RolloutBatch, rollout
 from labkit.tasks import ArithmeticTask, Problem, _bucket, load_gsm8k
 
@@ -265,6 +265,7 @@ def train(config: TrainConfig | None = None, *, resume: str | Path | None = None
         lock = rundir.RunLock(run_dir)
     else:
         config = config or TrainConfig()
+        preflight(config)  # what the config names is on this machine, before anything is made
         if config.run_dir:
             lock = rundir.claim_run_dir(config.run_dir)
             run_dir = lock.run_dir
@@ -418,8 +419,8 @@ def _one_step(config, learner, tokenizer, source, step_fn, step: int, device) ->
                         temperature=config.temperature, top_k=config.top_k, top_p=config.top_p,
                         seed=step_seed, decoder=learner.passes.decoder)
     answers = [p.answer for p in problems for _ in range(config.group_size)]
-    rewards = torch.tensor(check_rewards(correctness(batch.texts, answer=answers),
-                                         "correctness"), device=device)
+    rewards = torch.tensor(check_rewards(REWARDS.resolve(config.reward)(
+        batch.texts, answer=answers), config.reward), device=device)
     if not config.score_truncated:
         rewards = rewards.masked_fill(batch.truncated, 0.0)
     t1 = time.perf_counter()

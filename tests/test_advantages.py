@@ -336,3 +336,70 @@ def test_property_token_level_finite(data, n, t_len, scale, gamma, lam):
     ga, ret = adv.gae(vals / scale, vals.flip(1) / scale, mask, gamma=gamma, lam=lam)
     assert torch.isfinite(ga).all() and torch.isfinite(ret).all()
     assert (ga[mask == 0] == 0).all() and (ret[mask == 0] == 0).all()
+
+
+# ------------------------------------------------------------------ the estimator registry
+
+def test_the_estimator_registry_lists_each_estimator_with_its_paper():
+    assert list(adv.ESTIMATORS) == ["grpo", "dr_grpo", "rloo"]
+    assert adv.ESTIMATORS["rloo"] is adv.rloo
+    text = adv.ESTIMATORS.describe()
+    assert all(p in text for p in ("DeepSeekMath", "Dr. GRPO", "Ahmadian", "package.module"))
+
+
+@pytest.mark.parametrize("fields", [dict(estimator="grpo", scale="batch", std_unbiased=False),
+                                    dict(estimator="grpo"), dict(estimator="dr_grpo"),
+                                    dict(estimator="rloo", scale="batch")], ids=str)
+def test_group_advantages_are_the_estimator_called_directly(fields):
+    from labkit.algos import group_advantages
+    from labkit.config import TrainConfig
+
+    config = TrainConfig(group_size=4, **fields)
+    r = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0])
+    direct = {"grpo": lambda: adv.grpo(r, 4, scale=config.scale, unbiased=config.std_unbiased),
+              "dr_grpo": lambda: adv.dr_grpo(r, 4), "rloo": lambda: adv.rloo(r, 4)}
+    assert torch.equal(group_advantages(config, r), direct[config.estimator]())
+
+
+def test_a_new_estimator_is_one_decorated_function():
+    from labkit.algos import group_advantages
+    from labkit.config import TrainConfig
+
+    @adv.ESTIMATORS.register("half_rloo_for_test")
+    def half_rloo(rewards, group_size, **options):
+        """Half of RLOO (a test's own estimator): A_i = rloo_i / 2."""
+        return adv.rloo(rewards, group_size) / 2
+
+    assert "half_rloo_for_test: Half of RLOO" in adv.ESTIMATORS.describe()
+    r = torch.tensor([1.0, 0.0, 0.0, 1.0])
+    config = TrainConfig(estimator="half_rloo_for_test", group_size=4)
+    assert torch.equal(group_advantages(config, r), adv.rloo(r, 4) / 2)
+    with pytest.raises(ValueError, match="'half_rloo_for_test' is already registered"):
+        adv.ESTIMATORS.register("half_rloo_for_test")(half_rloo)
+    with pytest.raises(ValueError, match=r"signature \(rewards, group_size, \*, scale, unb"):
+        adv.ESTIMATORS.register("no_options_for_test")(lambda rewards, group_size: rewards)
+    assert "no_options_for_test" not in adv.ESTIMATORS
+
+
+def test_an_estimator_by_import_path_and_a_bad_name():
+    assert adv.ESTIMATORS.resolve("labkit.advantages:dr_grpo") is adv.dr_grpo
+    with pytest.raises(ValueError, match=r"^estimator must be one of \['grpo', 'dr_grpo', "
+                                         r"'rloo'.*'package.module:function', got 'ppo'$"):
+        adv.ESTIMATORS.resolve("ppo", "estimator")
+    with pytest.raises(ValueError, match="estimator='labkit.advantages:nope': cannot import"):
+        adv.ESTIMATORS.resolve("labkit.advantages:nope", "estimator")
+
+
+# ------------------------------------------------------------------ PPO's arrow
+
+@pytest.mark.parametrize("whiten", [True, False])
+def test_ppo_advantages_are_gae_then_whitening(whiten):
+    g = torch.Generator().manual_seed(3)
+    token_rewards, values = torch.randn(6, 5, generator=g), torch.randn(6, 5, generator=g)
+    mask = torch.rand(6, 5, generator=g) > 0.3
+    a, ret = adv.ppo_advantages(token_rewards, values, mask, gamma=0.9, lam=0.8,
+                                whiten_advantages=whiten)
+    gae_a, gae_ret = adv.gae(token_rewards, values, mask, gamma=0.9, lam=0.8)
+    assert torch.equal(a, adv.whiten(gae_a, mask) if whiten else gae_a)
+    assert torch.equal(ret, gae_ret)
+    assert not torch.equal(adv.whiten(gae_a, mask), gae_a)  # so the two cases differ

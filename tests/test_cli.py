@@ -40,3 +40,25 @@ def test_eval_bad_input_is_one_clear_line(args, names):
 def test_unknown_command_is_rejected():
     done = run("fly")
     assert done.returncode == 2 and "invalid choice" in done.stderr
+
+
+def test_train_help_lists_each_registry_and_literal_choice(capsys):
+    """--help reads the choices from the registries and the Literals, not from a copy."""
+    from labkit import advantages, losses, rewards
+    from labkit.__main__ import main
+
+    with pytest.raises(SystemExit) as stop:
+        main(["train", "--help"])
+    assert stop.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for registry in (advantages.ESTIMATORS, losses.AGG_MODES, rewards.REWARDS):
+        assert all(f"{name}:" in text for name in registry), registry
+    assert "Choices: grpo, ppo." in text and "Choices: k1, k2, k3." in text
+    assert text.count("package.module:function") >= 3
+
+
+def test_train_rejects_an_unknown_estimator_before_any_run(tmp_path):
+    done = run("train", "--estimator", "gae", "--run-dir", str(tmp_path / "run"))
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "estimator must be one of ['grpo', 'dr_grpo', 'rloo']" in done.stderr
+    assert not (tmp_path / "run").exists()

@@ -21,7 +21,7 @@ from labkit.config import TrainConfig
 from labkit.rewards import RewardError, check_rewards, combine, correctness
 
 F32_MAX = torch.finfo(torch.float32).max
-AGGS = L.AGG_MODES
+AGGS = tuple(L.AGG_MODES)  # the registry's names, in order
 
 
 # --- strategies ------------------------------------------------------------------------------
@@ -275,6 +275,7 @@ def test_a_nan_reward_stops_the_run_with_one_line_and_a_resumable_checkpoint(
     of step 1 is there, and a resume finishes the run."""
     import labkit.trainer
     from labkit.__main__ import main
+    from labkit.registry import Registry
     from labkit.rundir import latest_checkpoint, load_checkpoint, read_metrics
     from labkit.trainer import train
 
@@ -285,7 +286,9 @@ def test_a_nan_reward_stops_the_run_with_one_line_and_a_resumable_checkpoint(
         scores = correctness(completions, **kwargs)
         return [math.nan] * len(scores) if len(calls) == 2 else scores
 
-    monkeypatch.setattr(labkit.trainer, "correctness", nan_on_second_step)
+    rewards = Registry("reward", ("completions",), ("answer",))  # the trainer's, NaN-giving
+    rewards.register("correctness")(nan_on_second_step)
+    monkeypatch.setattr(labkit.trainer, "REWARDS", rewards)
     run_dir = tmp_path / "run"
     args = ["train", "--run-dir", str(run_dir)]
     for key, value in FAST.items():

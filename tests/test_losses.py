@@ -13,7 +13,7 @@ from labkit.advantages import grpo
 
 TOL = dict(rtol=1e-6, atol=1e-6)
 TOL64 = dict(rtol=1e-12, atol=1e-12)
-AGGS = L.AGG_MODES
+AGGS = tuple(L.AGG_MODES)  # the registry's names, in order
 
 
 # ------------------------------------------------------------------ reference loops
@@ -506,3 +506,29 @@ def test_property_grpo_into_policy_loss(vals, scale):
     loss, _ = L.policy_loss(logp, torch.zeros(n, 3), a, torch.ones(n, 3))
     loss.backward()
     assert torch.isfinite(loss) and torch.isfinite(logp.grad).all()
+
+
+# ----------------------------------------------------------------- the aggregation registry
+
+def test_the_aggregation_registry_lists_the_modes_with_their_papers():
+    assert AGGS == ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
+                    "seq-mean-token-sum-norm")
+    text = L.AGG_MODES.describe()
+    assert all(p in text for p in ("DAPO", "DeepSeekMath", "Dr. GRPO"))
+
+
+def test_a_new_aggregation_mode_is_one_decorated_function_and_an_import_path_works():
+    @L.AGG_MODES.register("token-max-for-test")
+    def token_max(masked, mask, *, max_len=None):
+        """Largest token loss (a test's own mode): max_{i,t} l."""
+        return masked.max()
+
+    per_token = torch.tensor([[1.0, 5.0, 9.0], [2.0, 3.0, 0.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    assert L.aggregate(per_token, mask, "token-max-for-test").item() == 5.0
+    by_path = L.aggregate(per_token, mask, "labkit.losses:seq_mean_token_mean")
+    assert torch.equal(by_path, L.aggregate(per_token, mask, "seq-mean-token-mean"))
+    with pytest.raises(ValueError, match=r"agg must be one of \['token-mean'.*got 'mean'"):
+        L.aggregate(per_token, mask, "mean")
+    with pytest.raises(ValueError, match=r"agg='labkit.losses:kl' must accept .*\(masked, mask"):
+        L.aggregate(per_token, mask, "labkit.losses:kl")

@@ -383,3 +383,22 @@ def test_different_integers_are_graded_without_sympy(monkeypatch):
     monkeypatch.setattr(R, "parse", no_sympy)
     assert R.correctness(["\\boxed{121}", "\\boxed{1,000}", "\\boxed{-7}"],
                          answer=["122", "1000", "7"]) == [0.0, 1.0, 0.0]
+
+
+# ---------------------------------------------------------------------- the reward registry
+
+def test_the_reward_registry_names_correctness_and_takes_new_rewards():
+    assert rewards.REWARDS["correctness"] is correctness and "correctness" in list(rewards.REWARDS)
+    assert "RLVR" in rewards.REWARDS.describe()
+
+    @rewards.REWARDS.register("long_for_test")
+    def long_reward(completions, **kwargs):
+        """Length (a test's own reward): 1 for completions over 3 characters."""
+        return [float(len(c) > 3) for c in completions]
+
+    assert rewards.REWARDS.resolve("long_for_test")(["ab", "abcd"], answer=["", ""]) == [0, 1]
+    assert rewards.REWARDS.resolve("labkit.rewards:format_reward") is format_reward
+    with pytest.raises(ValueError, match=r"reward must be one of \['correctness', "):
+        rewards.REWARDS.resolve("accuracy", "reward")
+    with pytest.raises(ValueError, match=r"signature \(completions, \*, answer\)"):
+        rewards.REWARDS.register("no_answer_for_test")(lambda completions: [])

@@ -1,6 +1,7 @@
-"""Bad input never gets far: every TrainConfig field is checked when the config is made, and
-the command line (`train`, `eval`, `run`, `sweep`) turns a user error into one `error:`
-line and exit code 2, before any run folder is made or any model loads."""
+"""Bad input never gets far: every TrainConfig field is checked when the config is made,
+what it names on this machine (files, devices) by `preflight` before a run makes or loads
+anything, and the command line (`train`, `eval`, `run`, `sweep`) turns a user error into one
+`error:` line and exit code 2, before any run folder is made or any model loads."""
 
 import json
 import math
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from labkit.config import TrainConfig
+from labkit.config import TrainConfig, preflight
 from labkit.rundir import RunLock
 
 HERE = Path(__file__).resolve().parent
@@ -60,11 +61,8 @@ BAD_CONFIGS = [
     (dict(dynamic_sampling="false"), "dynamic_sampling", "True or False"),
     (dict(progress=1), "progress", "True or False"),
     (dict(device="gpu"), "device", "'cuda:N'"),
-    (dict(device="cuda:99"), "device", "cuda"),
-    (dict(model="./no/such/model"), "model", "config.json"),
     (dict(model=5), "model", "string"),
     (dict(task="gsm8k"), "gsm8k_path", "required"),
-    (dict(task="gsm8k", gsm8k_path="/no/such/gsm8k.jsonl"), "gsm8k_path", "not a file"),
     (dict(gsm8k_path="/no/such/gsm8k.jsonl"), "gsm8k_path", "task='gsm8k'"),
     (dict(digits=10), "digits", "between 1 and 9"),
     (dict(operands=1), "operands", "between 2 and 8"),
@@ -83,6 +81,18 @@ BAD_CONFIGS = [
     (dict(stop_rules="policy/kl>0.5"), "stop_rules", "beta > 0"),
     (dict(stop_rules="value/clipfrac>0.5"), "stop_rules", "algo='ppo'"),
     (dict(stop_rules=["adv/gav>0.45"]), "stop_rules", "string"),
+    (dict(estimator="no_such_module:fn"), "estimator", "cannot import"),
+    (dict(agg="labkit.losses:kl"), "agg", "signature"),
+    (dict(reward="labkit.rewards:PARSE_TIMEOUT"), "reward", "not a function"),
+    (dict(reward="accuracy"), "reward", "correctness"),
+    (dict(share_prompt="auto"), "share_prompt", "True, False or None"),
+]
+
+# what a config names that this machine may lack: `preflight` asks, the config does not
+BAD_ON_THIS_MACHINE = [
+    (dict(device="cuda:99"), "device", "cuda"),
+    (dict(model="./no/such/model"), "model", "config.json"),
+    (dict(task="gsm8k", gsm8k_path="/no/such/gsm8k.jsonl"), "gsm8k_path", "not a file"),
 ]
 
 
@@ -95,13 +105,47 @@ def test_a_bad_field_is_named_with_its_rule(fields, name, rule):
     assert name in str(e.value) and rule in str(e.value), str(e.value)
 
 
+@pytest.mark.parametrize("fields, name, rule", BAD_ON_THIS_MACHINE,
+                         ids=[f"{n}={f[n]!r}" for f, n, _ in BAD_ON_THIS_MACHINE])
+def test_preflight_names_what_this_machine_lacks(fields, name, rule):
+    config = TrainConfig(**fields)  # a config read back on resume is not probed
+    with pytest.raises(ValueError) as e:
+        preflight(config)
+    assert name in str(e.value) and rule in str(e.value), str(e.value)
+
+
+def test_preflight_passes_what_is_there(tmp_path):
+    data = tmp_path / "gsm8k.jsonl"
+    data.write_text('{"question": "1+1?", "answer": "#### 2"}\n')
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    for fields in (dict(), dict(device="cpu"), dict(run_dir=str(tmp_path / "new" / "run")),
+                   dict(task="gsm8k", gsm8k_path=str(data)), dict(model=str(model)),
+                   dict(model="org/name")):
+        preflight(TrainConfig(**fields))
+
+
 def test_run_dir_that_is_a_file_or_inside_one_is_refused(tmp_path):
     afile = tmp_path / "notes.txt"
     afile.write_text("not a folder")
     for run_dir, words in ((afile, "is a file"), (afile / "run", "cannot be made")):
+        config = TrainConfig(run_dir=str(run_dir))
         with pytest.raises(ValueError, match="run_dir") as e:
-            TrainConfig(run_dir=str(run_dir))
+            preflight(config)
         assert words in str(e.value)
+
+
+def test_a_fresh_training_run_is_preflighted_before_it_makes_anything(tmp_path, monkeypatch):
+    import labkit.trainer
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a run folder was claimed")
+
+    monkeypatch.setattr(labkit.trainer.rundir, "claim_run_dir", refuse)
+    config = TrainConfig(model=str(tmp_path / "missing"), run_dir=str(tmp_path / "run"))
+    with pytest.raises(ValueError, match="model=.*no saved model"):
+        labkit.trainer.train(config)
 
 
 def test_unknown_fields_of_a_saved_config_list_the_valid_ones():
@@ -114,7 +158,8 @@ def test_unknown_fields_of_a_saved_config_list_the_valid_ones():
     dict(stop_rules="adv/gav>0.45 for 5; rollout/reward_mean >= 0.99"),
     dict(stop_rules=" ; eval/pass@1<0.01 for 2 ;"), dict(stop_rules="eval/pass@4<0.1"),
     dict(beta=0.04, stop_rules="policy/kl>0.5"), dict(dual_clip=3.0, value_clip=None),
-    dict(digits=1, eval_n=8),
+    dict(digits=1, eval_n=8), dict(estimator="labkit.advantages:rloo"),
+    dict(agg="labkit.losses:token_mean"), dict(reward="labkit.rewards:format_reward"),
 ], ids=str)
 def test_good_fields_still_pass(fields):
     config = TrainConfig(**fields)

@@ -32,8 +32,8 @@ def ppo_row_advantages(rewards: torch.Tensor, mask: torch.Tensor, *, gamma: floa
     """PPO's advantage before its critic learns (V = 0, the zero head of `ValueModel`):
     GAE on the token rewards, whitened over the tokens, then each row's mean -> (N,)."""
     token_rewards = losses.ppo_token_rewards(rewards, mask)  # (N, T)
-    a, _ = adv.gae(token_rewards, torch.zeros_like(token_rewards), mask, gamma=gamma, lam=lam)
-    a = adv.whiten(a, mask) if whiten else a
+    a, _ = adv.ppo_advantages(token_rewards, torch.zeros_like(token_rewards), mask,
+                              gamma=gamma, lam=lam, whiten_advantages=whiten)
     m = mask.bool()
     return torch.where(m, a, 0.0).sum(1) / m.sum(1).clamp(min=1)  # (N,)
 

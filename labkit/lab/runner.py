@@ -198,7 +198,7 @@ def check_config_rules(notebook: str | Path, params: dict[str, Param], values: d
     lr: float, estimator: str) reaches a TrainConfig in the notebook, so it obeys that field's
     rules, checked here with the notebook's other such values (its defaults overlaid with
     `values`) before any kernel starts or model loads. ValueError names the parameter."""
-    from labkit.config import TrainConfig, field_types
+    from labkit.config import TrainConfig, field_types, preflight
 
     types = field_types()
     merged = {key: param.default for key, param in params.items()} | values
@@ -208,7 +208,7 @@ def check_config_rules(notebook: str | Path, params: dict[str, Param], values: d
     if not shared or not set(values) & set(shared):
         return
     try:
-        TrainConfig(**shared)
+        preflight(TrainConfig(**shared))
     except ValueError as e:
         given = ", ".join(f"{k}={values[k]!r}" for k in values if k in shared)
         raise ValueError(f"{Path(notebook).name} with {given}: {e}") from None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from labkit.advantages import ESTIMATORS
 from labkit.lab.experiments import live_training
 from labkit.lab.summaries import live_outputs
 
@@ -14,9 +15,7 @@ def live_controls(live, *, run_dir: str | Path, estimator: str, group_size: int,
     `live`, re-runs `live_training` with the chosen values and rewrites the outputs."""
     import ipywidgets as w
 
-    from labkit.config import ESTIMATORS
-
-    est = w.Dropdown(options=ESTIMATORS, value=estimator, description="estimator")
+    est = w.Dropdown(options=tuple(ESTIMATORS), value=estimator, description="estimator")
     sizes = sorted({2, 4, 8, 16, group_size})
     G = w.Dropdown(options=sizes, value=group_size, description="G")
     n = w.IntSlider(value=steps, min=1, max=max(200, steps), description="steps")

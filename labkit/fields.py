@@ -1,0 +1,131 @@
+"""Dataclass fields checked from their annotations, for configs.
+
+The type hint gives the type (`X | None` also allows None), a `Literal` the choices, a
+`Registry` in the field's metadata (`choice`) the functions it may name, and `bounded` the
+numeric bounds. `check` raises ValueError naming the field and the rule it breaks. The
+string under a field in the class body is its docstring (`docs`), which --help shows.
+"""
+
+from __future__ import annotations
+
+import math
+import types
+from dataclasses import field, fields
+from typing import Literal, Union, get_args, get_origin, get_type_hints
+
+from labkit.registry import Registry
+
+_OPS = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
+
+
+def bounded(default, **bounds: float):
+    """A numeric field with bounds: `bounded(0.2, ge=0, lt=1)` (keys ge, gt, le, lt)."""
+    assert set(bounds) <= set(_OPS), bounds
+    return field(default=default, metadata=bounds)
+
+
+def choice(default: str, registry: Registry):
+    """A field naming a function of `registry`: a registered name or an import path."""
+    return field(default=default, metadata={"registry": registry})
+
+
+def check(instance) -> None:
+    """Every field of a dataclass instance against its annotation and metadata."""
+    hints = get_type_hints(type(instance))
+    for f in fields(instance):
+        _check_field(f.name, getattr(instance, f.name), hints[f.name], f.metadata)
+
+
+def _check_field(name: str, value, hint, meta) -> None:
+    """One field against its annotation (`X | None` allows None; a `Literal`, bool, str, int
+    or float) and its metadata (a registry, or bounds)."""
+    args = get_args(hint) if get_origin(hint) in (Union, types.UnionType) else (hint,)
+    optional = type(None) in args
+    kind = next(a for a in args if a is not type(None))
+    if value is None and optional:
+        return
+    or_none = " (or None)" if optional else ""
+    if "registry" in meta:
+        meta["registry"].resolve(value, name)
+    elif get_origin(kind) is Literal:
+        if value not in get_args(kind):
+            raise ValueError(f"{name} must be one of {list(get_args(kind))}, got {value!r}")
+    elif kind is bool:
+        if not isinstance(value, bool):
+            either = "True, False or None" if optional else "True or False"
+            raise ValueError(f"{name} must be {either}, got {value!r}")
+    elif kind is str:
+        if not isinstance(value, str) or (optional and not value.strip()):
+            what = "a non-empty string or None" if optional else "a string"
+            raise ValueError(f"{name} must be {what}, got {value!r}")
+    elif kind is int:
+        if isinstance(value, bool) or not isinstance(value, int) or not _within(value, meta):
+            raise ValueError(f"{name} must be an integer{_bounds(name, meta)}{or_none}, "
+                             f"got {value!r}")
+    elif isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number{or_none}, got {value!r}")
+    elif not _within(value, meta):
+        raise ValueError(f"{name} must be{_bounds(name, meta)}{or_none}, got {value!r}")
+
+
+def _within(value, bounds) -> bool:
+    tests = {"ge": value.__ge__, "gt": value.__gt__, "le": value.__le__, "lt": value.__lt__}
+    return all(tests[key](bound) is True for key, bound in bounds.items() if key in tests)
+
+
+def _bounds(name: str, bounds) -> str:
+    """The bounds as words: ' >= 1', or ' in [0, 1) (0 <= eps_low < 1)' for two."""
+    low = [(k, v) for k, v in bounds.items() if k in ("ge", "gt")]
+    high = [(k, v) for k, v in bounds.items() if k in ("le", "lt")]
+    if low and high:
+        (lk, lo), (hk, hi) = low[0], high[0]
+        interval = f"{'[' if lk == 'ge' else '('}{lo}, {hi}{']' if hk == 'le' else ')'}"
+        return (f" in {interval} ({lo} {_OPS[lk].replace('>', '<')} {name} {_OPS[hk]} "
+                f"{hi})")
+    return "".join(f" {_OPS[k]} {v}" for k, v in low + high)
+
+
+def choices(cls) -> dict[str, str]:
+    """The choices of each `Literal` or registry field of `cls`, as one line for --help."""
+    hints, out = get_type_hints(cls), {}
+    for f in fields(cls):
+        if "registry" in f.metadata:
+            out[f.name] = f.metadata["registry"].describe()
+        elif get_origin(hints[f.name]) is Literal:
+            out[f.name] = ", ".join(get_args(hints[f.name]))
+    return out
+
+
+def docs(cls) -> dict[str, str]:
+    """Each field's docstring (the string under it in the class body), one line each, for the
+    command line's --help; {} where the source cannot be read."""
+    import ast
+    import inspect
+
+    try:
+        tree = ast.parse(inspect.getsource(cls))
+    except (OSError, TypeError):
+        return {}
+    body, docs = tree.body[0].body, {}
+    for node, after in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
+                and isinstance(after.value.value, str)):
+            docs[node.target.id] = " ".join(after.value.value.split())
+    return docs
+
+
+def base_types(cls) -> dict[str, type]:
+    """The base type of each field (str for a choice, float for `float | None`), for the
+    command line and the notebooks' parameter checks."""
+    out = {}
+    for name, hint in get_type_hints(cls).items():
+        args = [a for a in get_args(hint) if a is not type(None)]
+        if args and all(isinstance(a, str) for a in args):
+            out[name] = str
+        elif args:
+            out[name] = args[0]
+        else:
+            out[name] = hint
+    return out
