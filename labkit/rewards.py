@@ -209,7 +209,7 @@ def format_reward(completions: Sequence, **kwargs) -> list[float]:
     return out
 
 
-# ---------------------------------------------------------------------- shaping (seed 000)
+# ---------------------------------------------------------------------- shaping
 
 _NUMBER_TOKEN = re.compile(r"(?<![\d.])(-?)(\d[\d,]*(?:\.\d+)?|\.\d+)")
 
@@ -264,7 +264,7 @@ def gsm8k_steps(answer_field: str) -> list[str]:
 
 
 def shaped(reward_fn: RewardFn, lam: float = 0.3) -> RewardFn:
-    """Step-completeness shaping (seed 000 section 3.3): r = r_raw - lam * (1 - completeness).
+    """Step-completeness shaping (a process-style reward): r = r_raw - lam * (1 - completeness).
 
     The returned reward function reads the expected intermediate results of each completion
     from the keyword `steps` (a list of lists of strings, e.g. a dataset column) and passes
@@ -351,7 +351,7 @@ def combine(*weighted: tuple[RewardFn, float]) -> RewardFn:
     return combined
 
 
-# ----------------------------------------------------- reward-model scores (seed 000 4.1)
+# ----------------------------------------------------- reward-model scores
 
 NORMALIZATIONS = ("sigmoid", "group_minmax")
 
@@ -360,10 +360,10 @@ def normalize_scores(scores, method: Literal["sigmoid", "group_minmax"] = "sigmo
                      group_size: int | None = None) -> list[float]:
     """Map raw reward-model scores (logits) into [0, 1] before computing advantages.
 
-    - "sigmoid": s -> 1 / (1 + exp(-s)), per score, into (0, 1) (seed 000 4.1).
+    - "sigmoid": s -> 1 / (1 + exp(-s)), per score, into (0, 1).
     - "group_minmax": each consecutive group of `group_size` scores (the G completions of
       one prompt, shape (B*G,) read as (B, G)) -> (s - min_g) / (max_g - min_g). Departure
-      from the seed's (s - min) / (max - min + 1e-8): a constant group maps to 0.5 (no
+      from the common (s - min) / (max - min + 1e-8): a constant group maps to 0.5 (no
       preference) instead of 0, so its rewards stay in the middle of the range.
     `scores` is a list or a 1-D tensor of finite floats; returns a list of floats.
     """
