@@ -1,5 +1,5 @@
 """`python -m labkit bench`: its inputs, its arithmetic, and one end-to-end run at toy scale
-(the figures themselves are in docs/performance.md, with the machine they were measured on)."""
+(the figures themselves are the README's, measured on a quiet machine)."""
 
 import json
 import math
@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from labkit import bench
+from labkit.bench import inputs, report, timing, workers
+from labkit.bench.floor import step_floor
 
 KEYS = {"trl_step_ratio_tiny", "trl_step_ratio_small", "rollout_speedup_small",
         "grpo_ppo_memory_ratio", "labkit_step_s_tiny", "trl_step_s_tiny", "labkit_step_s_small",
@@ -25,7 +26,7 @@ def _cli(*args):
 
 def test_long_prompts_have_exactly_the_asked_token_count(tiny):
     _, tokenizer = tiny
-    prompts = bench.long_prompts(5, 128, seed=3)
+    prompts = inputs.long_prompts(5, 128, seed=3)
     assert len(set(prompts)) == 5
     for prompt in prompts:
         assert len(tokenizer(prompt)["input_ids"]) == 128
@@ -37,13 +38,13 @@ def test_the_small_model_has_20_to_30_million_parameters(tiny):
     _, tokenizer = tiny
     with torch.device("meta"):
         model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), tie_word_embeddings=True,
-                                             **bench.SMALL))
+                                             **inputs.SMALL))
     assert 20e6 <= sum(p.numel() for p in model.parameters()) <= 30e6
 
 
 def test_slope_is_the_least_squares_fit():
     xs, ys = [2, 4, 8, 16], [0.31, 0.52, 1.05, 1.98]
-    assert bench._slope(xs, ys) == pytest.approx(np.polyfit(xs, ys, 1)[0], rel=1e-12)
+    assert report.slope(xs, ys) == pytest.approx(np.polyfit(xs, ys, 1)[0], rel=1e-12)
 
 
 @pytest.mark.parametrize("args, name", [
@@ -70,13 +71,13 @@ def test_the_command_runs_end_to_end_and_ends_with_its_json_line():
     assert summary["trl_step_ratio_small"] == pytest.approx(
         summary["labkit_step_s_small"] / summary["trl_step_s_small"])
     assert summary["rollout_identical"] is True  # greedy: the same tokens as model.generate
-    assert summary["memory_same_completions"] is True and summary["memory_lr"] == bench.MEMORY_LR
+    assert summary["memory_same_completions"] is True and summary["memory_lr"] == workers.MEMORY_LR
     assert summary["precision"] == "bf16" and summary["gradient_checkpointing"] is False
     assert summary["rounds"] == 2  # labkit and TRL took turns twice, their steps pooled
     assert {p["axis"] for p in summary["scaling"]} == {"group_size", "max_new_tokens", "plain"}
     # the prompt-wide passes (prefill, reference and update prompt passes) were timed
     assert all(p["prompt_s"] > 0 for p in summary["scaling"] if p["axis"] != "plain")
-    assert set(summary["targets_met"]) == set(bench.TARGETS)
+    assert set(summary["targets_met"]) == set(report.TARGETS)
     for label in ("tiny", "small"):  # the floor under one step, below the step itself
         assert 0 < summary[f"floor_s_{label}"] < summary[f"labkit_step_s_{label}"], label
         assert 0 < summary[f"floor_products_{label}"] < summary[f"floor_ops_{label}"], label
@@ -99,7 +100,7 @@ def test_the_prompt_timer_times_the_fast_passes_without_turning_them_off(tiny):
     original = training.backbone
     batch = rollout(model, tokenizer, ["1+2=", "37+85="], group_size=4, max_new_tokens=6, seed=0)
     P = batch.prompt_ids.shape[1]
-    timer = bench._PromptTimer([model.model], P, fast=True)
+    timer = timing.PromptTimer([model.model], P, fast=True)
     try:
         assert fast.unsupported(model) is None
         with torch.no_grad():
@@ -125,7 +126,7 @@ def test_the_step_floor_counts_every_dispatched_operation_and_each_product():
         aten.relu.default(y)
         aten.add.Tensor(y, y)
 
-    floor = bench.step_floor(step, "cpu", replays=3)
+    floor = step_floor(step, "cpu", replays=3)
     assert floor["floor_ops"] == 5 and floor["floor_products"] == 3
     assert floor["floor_products_s"] > 0 and floor["floor_others_s"] > 0
     assert floor["floor_s"] == floor["floor_products_s"] + floor["floor_others_s"]
@@ -135,7 +136,7 @@ def test_the_step_floor_sees_the_backward_and_replays_expanded_inputs():
     """The backward's product counts too; its input is the loss's expanded (stride 0)
     gradient, which the replay rebuilds with the same overlapping strides."""
     x, w = torch.randn(8, 16), torch.randn(16, 4, requires_grad=True)
-    floor = bench.step_floor(lambda: (x @ w).sum().backward(), "cpu", replays=2)
+    floor = step_floor(lambda: (x @ w).sum().backward(), "cpu", replays=2)
     assert floor["floor_products"] == 2  # x @ w, and x.t() @ grad for w (x needs none)
     assert floor["floor_ops"] > 2
 
@@ -143,8 +144,8 @@ def test_the_step_floor_sees_the_backward_and_replays_expanded_inputs():
 def _memory_work():
     from labkit.models import EMBEDDED_PATH
 
-    prompts, answers = bench.tiny_prompts(8)
-    return bench.Work(str(EMBEDDED_PATH), tuple(prompts), tuple(answers), max_new_tokens=16,
+    prompts, answers = inputs.tiny_prompts(8)
+    return inputs.Work(str(EMBEDDED_PATH), tuple(prompts), tuple(answers), max_new_tokens=16,
                       steps=3, warmup=0)
 
 
@@ -153,8 +154,8 @@ def test_the_memory_comparison_runs_the_same_completions_on_both_sides():
     GRPO and PPO sample the same completions at every step (at a real lr they drift apart
     and PPO's shorten)."""
     work = _memory_work()
-    grpo, ppo = (bench.worker_memory(work, algo) for algo in ("grpo", "ppo"))
-    assert grpo["lr"] == ppo["lr"] == bench.MEMORY_LR == 1e-30
+    grpo, ppo = (workers.worker_memory(work, algo) for algo in ("grpo", "ppo"))
+    assert grpo["lr"] == ppo["lr"] == workers.MEMORY_LR == 1e-30
     assert len(grpo["tokens"]) == 3 and all(t > 0 for t in grpo["tokens"])
     assert grpo["completions"] == ppo["completions"]  # token for token
     assert grpo["tokens"] == ppo["tokens"]
@@ -162,24 +163,24 @@ def test_the_memory_comparison_runs_the_same_completions_on_both_sides():
 
 
 @pytest.mark.parametrize("algo", ["grpo", "ppo"])
-@pytest.mark.parametrize("lr, moved", [(bench.MEMORY_LR, False), (1e-9, True)])
+@pytest.mark.parametrize("lr, moved", [(workers.MEMORY_LR, False), (1e-9, True)])
 def test_at_the_memory_lr_no_policy_weight_changes(algo, lr, moved):
     """The memory comparison's premise, bit for bit: at MEMORY_LR three steps leave every
     policy weight as it was. The control: at 1e-9 some weights move by their last bit,
     which is enough to flip a near-tied draw between the two sides."""
     work = _memory_work()
-    config, learner, tokenizer, device = bench._labkit_learner(work, algo, lr=lr,
-                                                               critic_lr=lr)
-    before = {k: v.clone() for k, v in learner.policy.state_dict().items()}
-    bench._labkit_step_times(config, learner, tokenizer, device, work, work.steps, 0)
-    changed = sum(int((v != before[k]).sum()) for k, v in learner.policy.state_dict().items())
+    trainer = timing.labkit_trainer(work, algo, lr=lr, critic_lr=lr)
+    policy = trainer.learner.policy
+    before = {k: v.clone() for k, v in policy.state_dict().items()}
+    timing.step_times(trainer, work, work.steps, 0)
+    changed = sum(int((v != before[k]).sum()) for k, v in policy.state_dict().items())
     assert (changed > 0) is moved, changed
 
 
 def test_at_a_real_learning_rate_the_two_sides_completions_part(monkeypatch):
     """The control: the fingerprints do tell completions apart once the policies move."""
-    monkeypatch.setattr(bench, "MEMORY_LR", 1e-2)
-    grpo, ppo = (bench.worker_memory(_memory_work(), algo) for algo in ("grpo", "ppo"))
+    monkeypatch.setattr(workers, "MEMORY_LR", 1e-2)
+    grpo, ppo = (workers.worker_memory(_memory_work(), algo) for algo in ("grpo", "ppo"))
     assert grpo["completions"][0] == ppo["completions"][0]  # the same start
     assert grpo["completions"][1:] != ppo["completions"][1:]
 
@@ -193,11 +194,39 @@ def test_the_memory_target_needs_the_same_completions_on_both_sides(ppo_completi
     results["rollout"] = {"tokens": 100, "seconds": {"labkit": [1.0], "generate": [2.0]},
                           "identical": True}
     results["memory_grpo"] = {"peak_growth_mb": 500.0, "completions": ["a1", "b2"],
-                              "tokens": [10, 12], "lr": bench.MEMORY_LR}
+                              "tokens": [10, 12], "lr": workers.MEMORY_LR}
     results["memory_ppo"] = {"peak_growth_mb": 1000.0, "completions": ppo_completions,
-                             "tokens": [10, 12], "lr": bench.MEMORY_LR}
+                             "tokens": [10, 12], "lr": workers.MEMORY_LR}
     args = SimpleNamespace(steps=1, warmup=0, rounds=1, beta=0.04)
-    summary = bench.summarize(results, params=1, device="cpu", precision="bf16", args=args)
+    summary = report.summarize(results, params=1, device="cpu", precision="bf16", args=args)
     assert summary["grpo_ppo_memory_ratio"] == 0.5
     assert summary["memory_same_completions"] is met
     assert summary["targets_met"]["grpo_ppo_memory_ratio"] is met
+
+
+def test_the_bench_uses_only_the_trainers_public_step_api():
+    """No private name of another labkit module, and no seed rule of its own: the bench
+    steps labkit through `Trainer.step` (the seed comes from `trainer.step_seed`)."""
+    import ast
+    from pathlib import Path
+
+    import labkit.bench
+
+    for path in Path(labkit.bench.__file__).parent.glob("*.py"):
+        source = path.read_text()
+        assert "1_000_003" not in source, path
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("labkit") \
+                    and not node.module.startswith("labkit.bench"):
+                assert not any(a.name.startswith("_") for a in node.names), (path, node.lineno)
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+                assert not (node.value.id in {"trainer", "learner", "labkit"}
+                            and node.attr.startswith("_")), (path, node.lineno)
+
+
+def test_a_steps_problems_are_its_prompts_with_their_answers():
+    work = _memory_work()
+    problems = work.step_problems(3)
+    assert [p.prompt for p in problems] == [work.prompts[i] for i in work.step_prompts(3)]
+    assert [p.answer for p in problems] == [work.answers[i] for i in work.step_prompts(3)]
+    assert len(work.step_problems(3, batch_prompts=5)) == 5

@@ -237,10 +237,10 @@ def test_unsupported_models_are_named_and_fall_back(tiny):
 
 def test_accelerates_mixed_precision_wrapper_keeps_the_fast_path(tiny):
     from labkit.config import TrainConfig
-    from labkit.trainer import _accelerator
+    from labkit.learner import make_accelerator
 
     model, _ = tiny
-    accelerator = _accelerator(TrainConfig(precision="bf16", device="cpu"))
+    accelerator = make_accelerator(TrainConfig(precision="bf16", device="cpu"))
     wrapped = accelerator.prepare(copy.deepcopy(model))
     assert "forward" in wrapped.__dict__  # the autocast wrapper
     assert fast.unsupported(wrapped) is None
@@ -299,12 +299,12 @@ def test_small_models_decode_in_fp32_under_cpu_autocast(tiny, monkeypatch):
 
 
 def test_the_optimizer_is_fused_and_steps_like_plain_adamw():
-    from labkit.trainer import _adamw
+    from labkit.learner import adamw
 
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
     twin, start = copy.deepcopy(net), copy.deepcopy(net)
-    fused = _adamw(net.parameters(), 1e-2, 0.1)
+    fused = adamw(net.parameters(), 1e-2, 0.1)
     plain = torch.optim.AdamW(twin.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
     assert fused.param_groups[0]["fused"]
     for _ in range(10):
@@ -322,14 +322,14 @@ def test_the_optimizer_is_fused_and_steps_like_plain_adamw():
 def _learner(**fields):
     """(config, learner, tokenizer) as the trainer builds them, for these TrainConfig fields."""
     from labkit.config import TrainConfig
-    from labkit.trainer import _accelerator, build_learner
+    from labkit.learner import build_learner, make_accelerator
 
     config = TrainConfig(**fields)
-    return (config, *build_learner(config, _accelerator(config)))
+    return (config, *build_learner(config, make_accelerator(config)))
 
 
 def test_a_reference_held_in_bf16_matches_its_model_forward(tiny):
-    """Under bf16 autocast the reference is held in bf16 (trainer.build_learner); the fast
+    """Under bf16 autocast the reference is held in bf16 (learner.build_learner); the fast
     pass then uses its weights as they are and its norm weights as fp32."""
     _, learner, tokenizer = _learner(precision="bf16", device="cpu", beta=0.04)
     reference = learner.reference

@@ -9,7 +9,8 @@ import torch
 from labkit.config import TrainConfig
 from labkit.rewards import correctness
 from labkit.rundir import latest_checkpoint, read_metrics
-from labkit.trainer import _accelerator, train
+from labkit.learner import make_accelerator
+from labkit.trainer import train
 
 SMOKE = dict(steps=3, batch_prompts=4, group_size=4, max_new_tokens=12, eval_every=2,
              eval_n=16, eval_samples=2, cgc_prompts=4, progress=False, lr=5e-4)
@@ -194,10 +195,10 @@ def test_truncated_completions_score_zero_unless_asked(tmp_path):
 
 
 def _answers(settings):
-    from labkit.trainer import ProblemSource
+    from labkit.trainer import ProblemSource, step_seed
 
     config = TrainConfig(**{k: v for k, v in settings.items()})
-    problems = ProblemSource(config).draw(config.seed * 1_000_003 + 1)
+    problems = ProblemSource(config).draw(step_seed(config, 1))
     return [p.answer for p in problems for _ in range(config.group_size)]
 
 
@@ -209,5 +210,84 @@ def test_runs_of_different_precision_follow_each_other_in_one_process(tmp_path):
         result = train(TrainConfig(precision=precision, device="cpu",
                                    run_dir=str(tmp_path / f"run{i}"), **small))
         assert result.steps == 1
-        assert _accelerator(result.config).mixed_precision == \
+        assert make_accelerator(result.config).mixed_precision == \
             ("bf16" if precision == "bf16" else "no")
+
+
+# --- the step API: Trainer.step -> StepResult -----------------------------------------------
+
+STEP = dict(SMOKE, steps=2, eval_n=4, eval_samples=0, cgc_prompts=0)
+
+
+@pytest.mark.parametrize("algo", ["grpo", "ppo"])
+def test_a_step_result_holds_the_rewards_and_advantages_its_metrics_come_from(algo):
+    from labkit import metrics as M
+    from labkit.trainer import Trainer, step_seed
+
+    config = TrainConfig(algo=algo, **STEP)
+    result = Trainer(config).step(1)
+    assert result.step == 1 and result.seed == step_seed(config, 1)
+    N = config.batch_prompts * config.group_size
+    assert result.rewards.shape == (N,) and result.batch.completion_ids.shape[0] == N
+    assert result.advantages.shape == ((N,) if algo == "grpo" else
+                                       result.batch.completion_mask.shape)
+    again = M.step_metrics(rewards=result.rewards, group_size=config.group_size,
+                           advantages=result.advantages, mask=result.batch.completion_mask,
+                           truncated=result.batch.truncated)
+    assert {k: result.metrics[k] for k in again} == again
+    assert not any(key.startswith("_") or "/" not in key for key in result.metrics)
+    assert all(isinstance(value, float) for value in result.metrics.values())
+    json.dumps(result.metrics)  # a metrics.jsonl record, nothing else in it
+
+
+def _same_results(a, b) -> bool:
+    return (torch.equal(a.rewards, b.rewards) and torch.equal(a.advantages, b.advantages)
+            and torch.equal(a.batch.completion_ids, b.batch.completion_ids)
+            and a.batch.texts == b.batch.texts and (a.step, a.seed) == (b.step, b.seed)
+            and _comparable([a.metrics]) == _comparable([b.metrics]))
+
+
+@pytest.mark.parametrize("algo", ["grpo", "ppo"])
+def test_two_trainers_of_one_config_give_identical_step_results(algo):
+    from labkit.trainer import Trainer
+
+    config = TrainConfig(algo=algo, **STEP)
+    first, second = Trainer(config), Trainer(config)
+    a = [first.step(s) for s in (1, 2)]
+    b = [second.step(s) for s in (1, 2)]
+    assert all(_same_results(x, y) for x, y in zip(a, b))
+    assert not _same_results(a[0], a[1])  # the comparison can tell two steps apart
+
+
+def test_train_runs_the_steps_of_the_step_api(tmp_path):
+    from labkit.trainer import Trainer
+
+    config = TrainConfig(run_dir=str(tmp_path / "run"), **STEP)
+    reports = []
+    result = train(config, callbacks=[reports.append])
+    trainer = Trainer(config)
+    for report, record in zip(reports, result.history[1:]):
+        step = trainer.step(report.step)
+        assert torch.equal(step.rewards, report.rewards)
+        assert torch.equal(step.advantages, report.advantages)
+        assert step.batch.texts == report.batch.texts
+        assert _comparable([{"step": report.step, **step.metrics}]) == \
+            _comparable([{k: v for k, v in record.items() if not k.startswith("eval/")}])
+
+
+def test_train_draws_each_step_with_step_seed(tmp_path, monkeypatch):
+    """With the seed rule replaced by a constant, every step of train() draws the same
+    prompts; with the real one they differ: train() seeds its steps through step_seed."""
+    import labkit.trainer
+
+    def prompts_of_each_step(name):
+        seen = []
+        train(TrainConfig(run_dir=str(tmp_path / name), **STEP),
+              callbacks=[lambda r: seen.append(r.batch.prompt_ids.clone())])
+        return seen
+
+    first, second = prompts_of_each_step("real")
+    assert not torch.equal(first, second)
+    monkeypatch.setattr(labkit.trainer, "step_seed", lambda config, step: 7)
+    first, second = prompts_of_each_step("constant")
+    assert torch.equal(first, second)

@@ -2,9 +2,9 @@
 
 import sys
 
-from labkit.bench import _worker_main
+from labkit.bench.workers import worker_main
 
 if len(sys.argv) == 4 and sys.argv[1] == "--worker":
-    _worker_main(sys.argv[2], sys.argv[3])
+    worker_main(sys.argv[2], sys.argv[3])
 else:
     raise SystemExit("usage: python -m labkit bench [options]")

@@ -1,0 +1,94 @@
+"""The bench's inputs: the work of one GRPO step (`Work`), the same on labkit's side and its
+peer's, the *small* model, and the prompts."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+SMALL = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
+             num_attention_heads=8, num_key_value_heads=8)
+"""The *small* model: a Llama of ~26 M parameters."""
+TEST_SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=4)
+"""`--scale test`: the same measurements on a toy model, to check the command quickly."""
+
+
+@dataclass(frozen=True)
+class Work:
+    """One GRPO step's work, the same on both sides."""
+
+    model: str
+    prompts: tuple[str, ...]
+    answers: tuple[str, ...]
+    batch_prompts: int = 2
+    group_size: int = 8
+    max_new_tokens: int = 16
+    beta: float = 0.04
+    precision: str = "bf16"
+    gradient_checkpointing: bool = False
+    device: str = "cpu"
+    steps: int = 10
+    warmup: int = 3
+    seed: int = 0
+
+    def step_prompts(self, step: int) -> list[int]:
+        """Indices of the prompts of step `step` (cycling through `prompts`)."""
+        B = self.batch_prompts
+        return [(step * B + i) % len(self.prompts) for i in range(B)]
+
+
+    def step_problems(self, step: int, batch_prompts: int | None = None) -> list:
+        """The problems (prompt and answer) of step `step`, `batch_prompts` of them (default:
+        the work's), as labkit's `Trainer.step` takes them."""
+        from labkit.tasks import Problem
+
+        work = self if batch_prompts is None else replace(self, batch_prompts=batch_prompts)
+        return [Problem(self.prompts[i], self.answers[i]) for i in work.step_prompts(step)]
+
+
+def build_small_model(path: Path, shape: dict) -> int:
+    """Save a randomly initialised Llama with the embedded tokenizer; its parameter count."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from labkit.models import load
+
+    _, tokenizer = load(device="cpu")
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), max_position_embeddings=512,
+                         tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id, **shape)
+    model = LlamaForCausalLM(config)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return sum(p.numel() for p in model.parameters())
+
+
+def long_prompts(count: int, tokens: int, seed: int = 0) -> list[str]:
+    """`count` arithmetic-looking prompts of exactly `tokens` tokens each (with BOS)."""
+    from labkit.models import load
+    from labkit.rollout import encode_prompts
+
+    _, tokenizer = load(device="cpu")
+    rng = random.Random(seed)
+    out = []
+    for _ in range(count):
+        text = "+".join(str(rng.randint(10, 99)) for _ in range(tokens))
+        ids, mask = encode_prompts(tokenizer, [text])
+        extra = int(mask.sum()) - len(text)  # special tokens the tokenizer adds
+        out.append(text[:tokens - extra - 1] + "=")
+        ids, mask = encode_prompts(tokenizer, [out[-1]])
+        if int(mask.sum()) != tokens:
+            raise RuntimeError(f"could not build a {tokens}-token prompt")
+    return out
+
+
+def tiny_prompts(count: int) -> tuple[list[str], list[str]]:
+    from labkit.tasks import ArithmeticTask
+
+    problems = ArithmeticTask().sample(count, "train", seed=7)
+    return [p.prompt for p in problems], [p.answer for p in problems]

@@ -1,0 +1,161 @@
+"""The bench's report: the measurements summed up as ratios against their targets (the JSON
+summary), and the table printed above it."""
+
+from __future__ import annotations
+
+import statistics
+
+TARGETS = {"trl_step_ratio_tiny": ("<=", 0.25), "trl_step_ratio_small": ("<=", 0.5),
+           "rollout_speedup_small": (">=", 1.5), "grpo_ppo_memory_ratio": ("<=", 0.75)}
+
+
+def median(values) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def slope(xs, ys) -> float:
+    """The least-squares slope of ys against xs."""
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+
+
+def summarize(results: dict, *, params: int, device: str, precision: str, args) -> dict:
+    """The JSON summary of every measurement (`results`: the workers' outputs by name)."""
+    step = {k: median(v["step_s"]) for k, v in results.items()
+            if k.startswith(("labkit_", "trl_"))}
+    roll = results["rollout"]
+    tok_s = {name: roll["tokens"] / median(s) for name, s in roll["seconds"].items()}
+    mem = {algo: results[f"memory_{algo}"]["peak_growth_mb"] for algo in ("grpo", "ppo")}
+    summary = {
+        "trl_step_ratio_tiny": step["labkit_tiny"] / step["trl_tiny"],
+        "trl_step_ratio_small": step["labkit_small"] / step["trl_small"],
+        "rollout_speedup_small": tok_s["labkit"] / tok_s["generate"],
+        "grpo_ppo_memory_ratio": mem["grpo"] / mem["ppo"],
+        "labkit_step_s_tiny": step["labkit_tiny"], "trl_step_s_tiny": step["trl_tiny"],
+        "labkit_step_s_small": step["labkit_small"], "trl_step_s_small": step["trl_small"],
+        "labkit_rollout_s_small": median(results["labkit_small"]["rollout_s"]),
+        "labkit_update_s_small": median(results["labkit_small"]["update_s"]),
+        "rollout_tokens_per_s_labkit": tok_s["labkit"],
+        "rollout_tokens_per_s_generate": tok_s["generate"],
+        "rollout_identical": roll["identical"],
+        "grpo_peak_mb": mem["grpo"], "ppo_peak_mb": mem["ppo"],
+        "memory_same_completions": results["memory_grpo"]["completions"] ==
+        results["memory_ppo"]["completions"],
+        "memory_tokens_per_step": results["memory_grpo"]["tokens"],
+        "memory_lr": results["memory_grpo"]["lr"],
+        "precision": precision, "gradient_checkpointing": False, "device": device,
+        "small_params": params, "steps_timed": args.steps, "warmup": args.warmup,
+        "rounds": args.rounds,
+        "beta": args.beta, "torch_threads": _threads(),
+    }
+    for label in ("tiny", "small"):
+        summary |= _floor_figures(results[f"labkit_{label}"], label, step[f"trl_{label}"])
+    if results.get("scaling"):
+        summary |= _scaling_figures(results["scaling"])
+    summary["targets_met"] = {key: (summary[key] <= bound if op == "<=" else summary[key] >= bound)
+                              for key, (op, bound) in TARGETS.items()}
+    # unequal work is no comparison: the memory target needs the same completions both sides
+    summary["targets_met"]["grpo_ppo_memory_ratio"] &= summary["memory_same_completions"]
+    return summary
+
+
+def _floor_figures(ours: dict, label: str, trl_step_s: float) -> dict:
+    """The floor under labkit's step on config `label` (see `step_floor`), if measured."""
+    if "floor_s" not in ours:
+        return {}
+    out = {f"{key}_{label}": median(ours[key])
+           for key in ("floor_s", "floor_products_s", "floor_others_s")}
+    out |= {f"{key}_{label}": int(median(ours[key])) for key in ("floor_ops", "floor_products")}
+    out[f"floor_ratio_{label}"] = out[f"floor_s_{label}"] / trl_step_s
+    return out
+
+
+def _scaling_figures(points: list[dict]) -> dict:
+    """The scaling points with their fitted slopes, and the prompt-shared update's speedup."""
+    by = {axis: [p for p in points if p["axis"] == axis]
+          for axis in ("group_size", "max_new_tokens", "plain")}
+    g, t = by["group_size"], by["max_new_tokens"]
+    out = {"scaling": points,
+           "slope_step_s_per_completion_of_group": slope(
+               [p["value"] for p in g], [p["step_s"] for p in g]),
+           "slope_prompt_s_per_completion_of_group": slope(
+               [p["value"] for p in g], [p["prompt_s"] for p in g]),
+           "slope_step_s_per_completion_token": slope(
+               [p["value"] for p in t], [p["step_s"] for p in t])}
+    shared = [p for p in g if p["value"] == by["plain"][0]["value"]]
+    if shared:
+        out["prompt_shared_update_speedup"] = by["plain"][0]["update_s"] / shared[0]["update_s"]
+    return out
+
+
+def _threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+def table(summary: dict) -> str:
+    """The human-readable report printed above the JSON line."""
+    s = summary
+    rows = [
+        ("GRPO step, tiny (embedded, 2x8, 16 tok)", f"{s['labkit_step_s_tiny']:.3f} s",
+         f"{s['trl_step_s_tiny']:.3f} s (TRL)", "trl_step_ratio_tiny"),
+        ("GRPO step, small (Llama, 2x8, 128+64 tok)", f"{s['labkit_step_s_small']:.3f} s",
+         f"{s['trl_step_s_small']:.3f} s (TRL)", "trl_step_ratio_small"),
+        ("rollout, small (4x8, greedy, 64 tok)", f"{s['rollout_tokens_per_s_labkit']:.0f} tok/s",
+         f"{s['rollout_tokens_per_s_generate']:.0f} tok/s (generate)", "rollout_speedup_small"),
+        ("peak memory, small, GRPO vs PPO", f"{s['grpo_peak_mb']:.0f} MB",
+         f"{s['ppo_peak_mb']:.0f} MB (PPO)", "grpo_ppo_memory_ratio"),
+    ]
+    lines = [f"{'comparison':<44}{'labkit':>14}{'peer':>26}{'ratio':>8}  target",
+             "-" * 104]
+    for label, ours, peer, key in rows:
+        op, bound = TARGETS[key]
+        mark = "met" if s["targets_met"][key] else "MISSED"
+        lines.append(f"{label:<44}{ours:>14}{peer:>26}{s[key]:>8.3f}  {op} {bound} {mark}")
+    lines.append(f"precision {s['precision']} (both sides), gradient checkpointing off (both), "
+                 f"device {s['device']}, {s['torch_threads']} torch threads, beta {s['beta']}, "
+                 f"median of {s['rounds']} x {s['steps_timed']} steps, each run after "
+                 f"{s['warmup']} warm-up, labkit and TRL taking turns; "
+                 f"small model {s['small_params'] / 1e6:.1f} M params; "
+                 f"greedy tokens identical: {s['rollout_identical']}; memory: both at lr "
+                 f"{s['memory_lr']:g}, same completions: {s['memory_same_completions']}")
+    if "floor_s_tiny" in s:
+        lines += _floor_lines(s)
+    if "scaling" in s:
+        lines += _scaling_lines(s)
+    return "\n".join(lines)
+
+
+def _floor_lines(s: dict) -> list[str]:
+    lines = ["", "floor under labkit's step (`bench.step_floor`): its matrix products "
+                 "replayed alone, plus its other dispatched operations at the cost of a "
+                 "bare view"]
+    for label in ("tiny", "small"):
+        lines.append(
+            f"  {label:<6}{s[f'floor_s_{label}']:.4f} s = {s[f'floor_ratio_{label}']:.3f} of "
+            f"TRL's step ({s[f'floor_products_{label}']} products "
+            f"{s[f'floor_products_s_{label}']:.4f} s + "
+            f"{s[f'floor_ops_{label}'] - s[f'floor_products_{label}']:,} other operations "
+            f"{s[f'floor_others_s_{label}']:.4f} s); labkit's step is "
+            f"{s[f'labkit_step_s_{label}'] / s[f'floor_s_{label}']:.2f}x its floor")
+    return lines
+
+
+def _scaling_lines(s: dict) -> list[str]:
+    lines = ["", f"{'scaling (small)':<28}{'step s':>9}{'rollout s':>11}{'update s':>10}"
+                 f"{'prompt s':>10}", "-" * 68]
+    for p in s["scaling"]:
+        name = "plain update, G" if p["axis"] == "plain" else \
+            {"group_size": "G", "max_new_tokens": "completion tokens"}[p["axis"]]
+        prompt = "-" if p["axis"] == "plain" else f"{p['prompt_s']:.3f}"  # not P wide there
+        lines.append(f"{name + ' = ' + str(p['value']):<28}{p['step_s']:>9.3f}"
+                     f"{p['rollout_s']:>11.3f}{p['update_s']:>10.3f}{prompt:>10}")
+    lines.append(f"slopes: {s['slope_step_s_per_completion_of_group']:.4f} s per unit of G, "
+                 f"{s['slope_step_s_per_completion_token']:.5f} s per completion token, "
+                 f"prompt passes {s['slope_prompt_s_per_completion_of_group']:+.5f} s per "
+                 f"unit of G")
+    if "prompt_shared_update_speedup" in s:
+        lines.append(f"prompt-shared update vs plain (prompt G times): "
+                     f"{s['prompt_shared_update_speedup']:.2f}x faster")
+    return lines

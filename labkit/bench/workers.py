@@ -1,0 +1,192 @@
+"""The measurements, each run in a fresh Python process (`python -m labkit.bench --worker NAME
+SPEC`, one model load, its own allocator), one after another, never two at once."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import replace
+
+from labkit.bench.floor import step_floor
+from labkit.bench.inputs import Work
+from labkit.bench.timing import TIMES, labkit_trainer, step_times, sync
+
+MEMORY_LR = 1e-30
+"""lr and critic_lr of the memory comparison. A step's memory depends on its shapes, not on
+what it learns; at a learning rate this small no weight of either policy changes at all (an
+AdamW step of about lr is far below a float32 weight's last bit: at 1e-9 some 10% of the
+weights still moved by one bit, enough to flip a near-tied draw), so with the same seeds
+GRPO and PPO sample the same completions at every step (the summary's
+`memory_same_completions` compares them token for token, and the target counts as missed
+when they differ). At a real learning rate the random *small* model's PPO policy drops to
+1-token completions after its first update, and the comparison would set GRPO's steady
+state against PPO's first step, before its optimizer states exist."""
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def worker_labkit(work: Work) -> dict:
+    """labkit's GRPO step times, and the floor under one more step (`step_floor`)."""
+    trainer = labkit_trainer(work)
+    out = step_times(trainer, work, work.steps, work.warmup)
+    step = work.warmup + work.steps + 1
+    problems = work.step_problems(step)
+    floor = step_floor(lambda: trainer.step(step, problems), trainer.device)
+    return out | {key: [value] for key, value in floor.items()}
+
+
+def worker_trl(work: Work) -> dict:
+    """The same steps with TRL's GRPOTrainer on the same model folder and prompts."""
+    import datasets
+    import trl
+    from transformers import TrainerCallback
+
+    from labkit.rewards import correctness
+
+    class StepTimer(TrainerCallback):
+        def __init__(self):
+            self.seconds, self._start = [], 0.0
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self._start = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.seconds.append(time.perf_counter() - self._start)
+
+    total = work.warmup + work.steps
+    order = [i for step in range(1, total + 1) for i in work.step_prompts(step)]
+    data = datasets.Dataset.from_dict({"prompt": [work.prompts[i] for i in order],
+                                       "answer": [work.answers[i] for i in order]})
+    with tempfile.TemporaryDirectory() as out:
+        args = trl.GRPOConfig(
+            output_dir=out, per_device_train_batch_size=work.batch_prompts * work.group_size,
+            num_generations=work.group_size, max_completion_length=work.max_new_tokens,
+            max_steps=total, learning_rate=1e-3, beta=work.beta, temperature=1.0,
+            bf16=work.precision == "bf16", gradient_checkpointing=work.gradient_checkpointing,
+            use_cpu=work.device == "cpu", seed=work.seed, report_to="none",
+            save_strategy="no", logging_steps=total, disable_tqdm=True,
+            dataloader_num_workers=0, shuffle_dataset=False)
+        timer = StepTimer()
+        trainer = trl.GRPOTrainer(model=work.model, reward_funcs=correctness, args=args,
+                                  train_dataset=data, callbacks=[timer])
+        trainer.train()
+    return {"step_s": timer.seconds[work.warmup:]}
+
+
+def worker_rollout(work: Work) -> dict:
+    """Greedy completion tokens per second: labkit's rollout vs model.generate, same batch."""
+    import torch
+
+    from labkit.models import load
+    from labkit.rollout import encode_prompts, rollout
+
+    model, tokenizer = load(work.model, device=work.device, dtype="fp32")
+    model.eval()
+    prompts = list(work.prompts[:work.batch_prompts])
+    G, T = work.group_size, work.max_new_tokens
+    ids, mask = encode_prompts(tokenizer, prompts, model.device)
+    # greedy generate refuses num_return_sequences > 1: the rows are repeated G times, as
+    # TRL's sampler repeats each prompt, so generate prefills every prompt G times
+    ids, mask = ids.repeat_interleave(G, dim=0), mask.repeat_interleave(G, dim=0)
+
+    def ours():
+        batch = rollout(model, tokenizer, prompts, group_size=G, max_new_tokens=T, greedy=True)
+        return batch.completion_ids.masked_fill(batch.completion_mask == 0, -1)
+
+    def peer():
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False,
+                                 max_new_tokens=T,
+                                 eos_token_id=tokenizer.eos_token_id,
+                                 pad_token_id=tokenizer.pad_token_id)
+        return out[:, ids.shape[1]:]
+
+    seconds = {"labkit": [], "generate": []}
+    results = {}
+    for rep in range(work.warmup + work.steps):
+        for name, fn in (("labkit", ours), ("generate", peer)):
+            sync()
+            start = time.perf_counter()
+            results[name] = fn()
+            sync()
+            if rep >= work.warmup:
+                seconds[name].append(time.perf_counter() - start)
+    ours = [row[row >= 0].tolist() for row in results["labkit"]]  # each up to its EOS
+    theirs = results["generate"].tolist()
+    same = len(ours) == len(theirs) and all(a == b[:len(a)] for a, b in zip(ours, theirs))
+    return {"seconds": seconds, "tokens": sum(map(len, ours)), "identical": same}
+
+
+def worker_memory(work: Work, algo: str) -> dict:
+    """Peak memory growth of building the trainer and running `work.steps` steps at
+    `MEMORY_LR`; each step's completion token count and fingerprint."""
+    import torch
+
+    cuda = work.device.startswith("cuda")
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    else:
+        base = _rss_mb()
+    trainer = labkit_trainer(work, algo, lr=MEMORY_LR, critic_lr=MEMORY_LR)
+    times = step_times(trainer, work, work.steps, 0)
+    peak = torch.cuda.max_memory_allocated() / 2**20 - base / 2**20 if cuda \
+        else _peak_rss_mb() - base
+    return {"peak_growth_mb": peak, "algo": algo, "lr": trainer.config.lr,
+            "tokens": times["tokens"], "completions": times["completions"]}
+
+
+def worker_scaling(work: Work, groups: list[int], lengths: list[int], prompt_width: int) -> dict:
+    """labkit's step time against G (at the work's length) and against the completion
+    length (at the work's G), on one trainer; plus the plain (prompt G times) update at the
+    work's G and length."""
+    trainer = labkit_trainer(work)
+    config = trainer.config
+    points = [("group_size", G, replace(config, group_size=G)) for G in groups]
+    points += [("max_new_tokens", T, replace(config, max_new_tokens=T)) for T in lengths]
+    points += [("plain", work.group_size, replace(config, share_prompt=False))]
+    out = []
+    for axis, value, cfg in points:
+        times = step_times(trainer.with_config(cfg), work, work.steps, work.warmup, prompt_width)
+        out.append({"axis": axis, "value": value,
+                    **{k: statistics.median(times[k]) for k in TIMES}})
+    return {"points": out}
+
+
+WORKERS = {"labkit": worker_labkit, "trl": worker_trl, "rollout": worker_rollout,
+           "memory": worker_memory, "scaling": worker_scaling}
+
+
+def run_worker(name: str, work: Work, **kwargs) -> dict:
+    """Run a measurement in a fresh Python process; its last stdout line is its JSON."""
+    spec = json.dumps({"work": work.__dict__, "kwargs": kwargs})
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", TRANSFORMERS_VERBOSITY="error",
+               HF_HUB_OFFLINE="1")
+    done = subprocess.run([sys.executable, "-m", "labkit.bench", "--worker", name, spec],
+                          capture_output=True, text=True, env=env)
+    if done.returncode != 0:
+        tail = "\n".join(done.stderr.strip().splitlines()[-15:])
+        raise RuntimeError(f"the {name} measurement failed:\n{tail}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def worker_main(name: str, spec: str) -> None:
+    """Run worker `name` on the JSON `spec` that `run_worker` passes; print its JSON line."""
+    data = json.loads(spec)
+    work = Work(**{k: tuple(v) if isinstance(v, list) else v for k, v in data["work"].items()})
+    if WORKERS.get(name) is None:
+        raise SystemExit(f"unknown worker {name!r}")
+    print(json.dumps(WORKERS[name](work, **data["kwargs"])))

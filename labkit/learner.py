@@ -1,0 +1,150 @@
+"""What a run trains, built from its config: the accelerator, the policy (+ frozen reference,
++ PPO's critic), their AdamW optimizers and learning-rate schedules, and their checkpoint
+state. `labkit.trainer` builds one per run and steps it."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+from labkit import rundir
+from labkit.algos import Learner
+from labkit.config import TrainConfig
+
+
+def lr_schedule(config: TrainConfig) -> Callable[[int], float]:
+    """Learning-rate multiplier per optimizer step: linear warmup, then cosine or constant."""
+    total, warm = config.optimizer_steps, config.warmup_steps
+
+    def factor(step: int) -> float:
+        if step < warm:
+            return (step + 1) / warm
+        if config.schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - warm) / max(1, total - warm))
+        return config.min_lr_ratio + (1 - config.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    return factor
+
+
+def make_accelerator(config: TrainConfig):
+    """An `accelerate.Accelerator` on `config.device`, bf16 autocast where `config.precision`
+    asks for it ("auto": bf16 on a CUDA device that computes it natively, else fp32)."""
+    from accelerate import Accelerator
+
+    from labkit.models import resolve_device
+
+    device = resolve_device(config.device)
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)
+    precision = config.precision
+    if precision == "auto":
+        precision = "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
+    mixed = "bf16" if precision == "bf16" else "no"
+    _forget_other_precision(mixed)
+    return Accelerator(cpu=device.type == "cpu", mixed_precision=mixed)
+
+
+def _forget_other_precision(mixed: str) -> None:
+    """accelerate keeps one process-wide state and refuses a second Accelerator with another
+    mixed precision (a notebook that runs an fp32 run, then a bf16 one). In a single process
+    that state holds nothing a finished run needs, so it is cleared; a distributed launch
+    keeps its state (and its launcher's precision)."""
+    from accelerate.state import AcceleratorState, PartialState
+
+    state = AcceleratorState._shared_state
+    if state and state.get("_mixed_precision", mixed) != mixed \
+            and PartialState().num_processes == 1:
+        AcceleratorState._reset_state()
+
+
+def _cpu_bf16_attention(model) -> None:
+    """Eager attention for bf16 autocast on a CPU: torch's fused attention kernels run bf16
+    slower there than plain matmul + softmax at a rollout's shapes (one query over a few
+    hundred cached keys), and the step follows (`python -m labkit bench`). Same numbers up
+    to bf16 rounding."""
+    if model is None or not hasattr(model, "set_attn_implementation"):
+        return
+    try:
+        model.set_attn_implementation("eager")
+    except (ValueError, ImportError):  # an architecture without it keeps its own
+        pass
+
+
+def adamw(parameters, lr: float, weight_decay: float) -> torch.optim.AdamW:
+    """AdamW with torch's fused kernel (one call per step, not a dozen operations per
+    parameter tensor) where this torch has it for the parameters' device; the same update."""
+    parameters = list(parameters)
+    try:
+        return torch.optim.AdamW(parameters, lr=lr, weight_decay=weight_decay, fused=True)
+    except (RuntimeError, ValueError):  # no fused kernel for this device or dtype
+        return torch.optim.AdamW(parameters, lr=lr, weight_decay=weight_decay)
+
+
+def build_learner(config: TrainConfig, accelerator):
+    """Policy (+ frozen reference when beta > 0, + critic for PPO), optimizers, schedules."""
+    from labkit.models import load
+    from labkit.scoring import FAST_PASSES, MODEL_PASSES, ValueModel
+
+    policy, tokenizer = load(config.model, device=accelerator.device, dtype="fp32")
+    reference = None
+    if config.beta > 0:
+        # frozen: under bf16 autocast its products run in bf16 anyway, so it is held in bf16
+        # (half the memory); only its norm weights round differently from an fp32 copy
+        held = "bf16" if accelerator.mixed_precision == "bf16" else "fp32"
+        reference, _ = load(config.model, device=accelerator.device, dtype=held)
+        reference.requires_grad_(False)
+    if accelerator.device.type == "cpu" and accelerator.mixed_precision == "bf16":
+        for model in (policy, reference):
+            _cpu_bf16_attention(model)
+    passes = FAST_PASSES if config.lean else MODEL_PASSES
+    factor = lr_schedule(config)
+    optimizer = adamw(policy.parameters(), config.lr, config.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    policy.train()
+    if config.algo == "ppo":
+        critic = ValueModel(policy, hidden=passes.hidden).train()
+        critic_optimizer = adamw(critic.parameters(), config.critic_lr, config.weight_decay)
+        critic_scheduler = torch.optim.lr_scheduler.LambdaLR(critic_optimizer, factor)
+        policy, optimizer, scheduler, critic, critic_optimizer, critic_scheduler = \
+            accelerator.prepare(policy, optimizer, scheduler, critic, critic_optimizer,
+                                critic_scheduler)
+        learner = Learner(policy, optimizer, scheduler, accelerator, reference, critic,
+                          critic_optimizer, critic_scheduler, passes)
+    else:
+        policy, optimizer, scheduler = accelerator.prepare(policy, optimizer, scheduler)
+        learner = Learner(policy, optimizer, scheduler, accelerator, reference, passes=passes)
+    return learner, tokenizer
+
+
+def learner_state(learner: Learner) -> dict:
+    """The weights, optimizer and schedule states a checkpoint holds (the policy's and, for
+    PPO, the critic's)."""
+    acc = learner.accelerator
+    state = {"policy": acc.unwrap_model(learner.policy).state_dict(),
+             "optimizer": learner.optimizer.state_dict(),
+             "scheduler": learner.scheduler.state_dict()}
+    if learner.critic is not None:
+        state |= {"critic": acc.unwrap_model(learner.critic).state_dict(),
+                  "critic_optimizer": learner.critic_optimizer.state_dict(),
+                  "critic_scheduler": learner.critic_scheduler.state_dict()}
+    return state
+
+
+def restore_learner(learner: Learner, state: dict) -> None:
+    """Load a checkpoint's `learner_state` and its random-number generators' states."""
+    acc = learner.accelerator
+    acc.unwrap_model(learner.policy).load_state_dict(state["policy"])
+    learner.optimizer.load_state_dict(state["optimizer"])
+    learner.scheduler.load_state_dict(state["scheduler"])
+    if learner.critic is not None:
+        acc.unwrap_model(learner.critic).load_state_dict(state["critic"])
+        learner.critic_optimizer.load_state_dict(state["critic_optimizer"])
+        learner.critic_scheduler.load_state_dict(state["critic_scheduler"])
+    rundir.set_rng_state(state["rng"])
+
+
+def update_count(learner: Learner) -> int:
+    """Optimizer steps taken so far, from the scheduler, which steps with the optimizer."""
+    return int(learner.scheduler.state_dict()["last_epoch"])
