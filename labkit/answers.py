@@ -43,7 +43,7 @@ def _braced(text: str, start: int) -> str | None:
     return None
 
 
-def _last_box_span(text: str) -> tuple[str, int] | None:
+def last_box_span(text: str) -> tuple[str, int] | None:
     """(content, end index) of the last `\\boxed`/`\\fbox`; None if absent or unbalanced."""
     starts = []
     for command in _BOX_COMMANDS:
@@ -77,7 +77,7 @@ def last_boxed(text: str) -> str | None:
     """
     if not isinstance(text, str):
         return None
-    span = _last_box_span(text)
+    span = last_box_span(text)
     return None if span is None else span[0]
 
 

@@ -27,7 +27,7 @@ from typing import Callable, Literal, Sequence
 
 from math_verify import parse, verify
 
-from labkit.answers import _last_box_span, extract_answer, gsm8k_ground_truth
+from labkit.answers import extract_answer, gsm8k_ground_truth, last_box_span
 from labkit.registry import Registry
 
 RewardFn = Callable[..., list]
@@ -202,7 +202,7 @@ def format_reward(completions: Sequence, **kwargs) -> list[float]:
     out = []
     for completion in completions:
         text = completion_text(completion)
-        span = _last_box_span(text) if text else None
+        span = last_box_span(text) if text else None
         ok = (span is not None and bool(span[0].strip())
               and re.fullmatch(r"(?:\s|\$|\\\]|\\\)|\.)*", text[span[1]:]) is not None)
         out.append(1.0 if ok else 0.0)

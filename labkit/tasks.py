@@ -45,7 +45,7 @@ class Problem:
         return record
 
 
-def _bucket(key: str) -> int:
+def split_bucket(key: str) -> int:
     """A stable number in [0, 100) for a problem: the split never depends on the seed."""
     return int(hashlib.sha256(key.encode()).hexdigest()[:8], 16) % 100
 
@@ -90,7 +90,7 @@ class ArithmeticTask:
         return (10**self.digits) ** self.operands * len(set(self.ops)) ** (self.operands - 1)
 
     def split_of(self, expression: str) -> Split:
-        return "test" if _bucket(expression) < self.test_percent else "train"
+        return "test" if split_bucket(expression) < self.test_percent else "train"
 
     def make(self, numbers: list[int], ops: list[str]) -> Problem:
         """The problem for given operands and operators (left-to-right evaluation)."""

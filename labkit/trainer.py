@@ -35,7 +35,7 @@ from labkit.learner import (build_learner, learner_state, make_accelerator, rest
                             update_count)
 from labkit.rewards import REWARDS, RewardError, check_rewards, correctness
 from labkit.rollout import RolloutBatch, rollout
-from labkit.tasks import ArithmeticTask, Problem, _bucket, load_gsm8k
+from labkit.tasks import ArithmeticTask, Problem, load_gsm8k, split_bucket
 
 EVAL_SEED = 1234
 """Seed of the held-out problems: the same eval set for every run seed, so runs compare."""
@@ -76,8 +76,8 @@ class ProblemSource:
             self.eval = self.task.sample(config.eval_n, "test", seed=EVAL_SEED, distinct=True)
         else:
             everything = load_gsm8k(config.gsm8k_path)
-            self.train = [p for p in everything if _bucket(p.prompt) >= 20]
-            held_out = [p for p in everything if _bucket(p.prompt) < 20]
+            self.train = [p for p in everything if split_bucket(p.prompt) >= 20]
+            held_out = [p for p in everything if split_bucket(p.prompt) < 20]
             if not self.train or not held_out:
                 raise ValueError(f"{config.gsm8k_path} is too small to split into train and "
                                  "held-out problems")
