@@ -51,7 +51,7 @@ class Learner:
     critic_optimizer: torch.optim.Optimizer | None = None
     critic_scheduler: object = None
     passes: Passes = FAST_PASSES
-    """How the policy, the reference and the critic run (`TrainConfig.lean`)."""
+    """How the policy, the reference and the critic run (`TrainConfig.fast`)."""
 
 
 def group_advantages(config: TrainConfig, rewards: Tensor) -> Tensor:

@@ -151,11 +151,11 @@ class TrainConfig:
     it saves at least labkit.scoring.SHARE_MIN_POSITIONS token positions in a pass (long
     prompts: below that the extra forward call costs more than it saves); True always,
     False never."""
-    lean: bool = True
+    fast: bool = True
     """Run Llama, Mistral, Qwen2 and Qwen3 models through labkit.fast's hand-written
     forward and decoder (the same numbers up to float rounding, with far less per-call
     overhead); False, or any other architecture, uses the model's own forward. Read once,
-    by trainer.build_learner (labkit.scoring.FAST_PASSES or MODEL_PASSES)."""
+    by learner.build_learner (labkit.scoring.FAST_PASSES or MODEL_PASSES)."""
     progress: bool = True
     """Show a progress bar."""
 
@@ -249,6 +249,10 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, values: dict) -> TrainConfig:
+        """The config of a config.json; `lean`, the name `fast` had in older run
+        directories, is read as `fast`."""
+        if "lean" in values and "fast" not in values:
+            values = {("fast" if k == "lean" else k): v for k, v in values.items()}
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:

@@ -98,7 +98,7 @@ def build_learner(config: TrainConfig, accelerator):
     if accelerator.device.type == "cpu" and accelerator.mixed_precision == "bf16":
         for model in (policy, reference):
             _cpu_bf16_attention(model)
-    passes = FAST_PASSES if config.lean else MODEL_PASSES
+    passes = FAST_PASSES if config.fast else MODEL_PASSES
     factor = lr_schedule(config)
     optimizer = adamw(policy.parameters(), config.lr, config.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)

@@ -383,7 +383,7 @@ def test_the_kv_strategy_is_chosen_when_the_decoder_is_built(tiny, monkeypatch):
 def test_the_config_chooses_the_passes_once_for_the_learner(use_fast):
     from labkit.scoring import FAST_PASSES, MODEL_PASSES
 
-    _, learner, _ = _learner(algo="ppo", device="cpu", lean=use_fast)
+    _, learner, _ = _learner(algo="ppo", device="cpu", fast=use_fast)
     want = FAST_PASSES if use_fast else MODEL_PASSES
     assert learner.passes is want
     assert learner.accelerator.unwrap_model(learner.critic).hidden is want.hidden

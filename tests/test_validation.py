@@ -153,6 +153,13 @@ def test_unknown_fields_of_a_saved_config_list_the_valid_ones():
         TrainConfig.from_dict({"group_sise": 4})
 
 
+def test_a_saved_config_from_before_the_fast_field_was_named_reads_lean_as_fast():
+    assert TrainConfig.from_dict({"lean": False, "seed": 3}) == TrainConfig(fast=False, seed=3)
+    assert TrainConfig.from_dict({"lean": True}).fast is True
+    with pytest.raises(ValueError, match="fast must be"):
+        TrainConfig.from_dict({"lean": "no"})
+
+
 @pytest.mark.parametrize("fields", [
     dict(seed=-7), dict(model="org/name"), dict(device="cpu"), dict(algo="ppo", group_size=1),
     dict(stop_rules="adv/gav>0.45 for 5; rollout/reward_mean >= 0.99"),
