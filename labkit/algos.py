@@ -1,4 +1,4 @@
-"""GRPO and PPO: one step each, built from the blocks in the order of DESIGN.md.
+"""GRPO and PPO: one step each, built from the blocks in the order of docs/architecture.md.
 
     prompts --rollout--> RolloutBatch --reward--> r (N,) --advantage--> A --loss--> update
 

@@ -5,7 +5,7 @@ before a kernel starts (papermill itself only warns about an unknown name and ne
 type). Execution is papermill's, which saves the executed notebook after every cell: a failed
 cell leaves the partial `notebook.ipynb` behind, and `report.html` is made from whatever ran.
 
-A run directory (DESIGN.md) holds, besides what the notebook writes (`summary.json`,
+A run directory (docs/architecture.md) holds, besides what the notebook writes (`summary.json`,
 `metrics.jsonl`, ...): `parameters.json` (every value the notebook ran with, written before
 the kernel starts), `notebook.ipynb` (papermill's output), `kernel.log` (what the kernel
 process itself printed, outside any cell) and `report.html` (nbconvert, with plotly.js
