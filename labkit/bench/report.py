@@ -128,7 +128,7 @@ def table(summary: dict) -> str:
 
 
 def _floor_lines(s: dict) -> list[str]:
-    lines = ["", "floor under labkit's step (`bench.step_floor`): its matrix products "
+    lines = ["", "floor under labkit's step (`labkit.bench.floor.step_floor`): its matrix products "
                  "replayed alone, plus its other dispatched operations at the cost of a "
                  "bare view"]
     for label in ("tiny", "small"):
