@@ -4,7 +4,8 @@ Every reward here has the signature `fn(completions, **kwargs) -> list[float]`, 
 handed to TRL's `GRPOTrainer(reward_funcs=...)` unchanged: the trainer passes everything by
 keyword, the dataset's columns (the ground truth as `answer`, the expected intermediate
 results as `steps`) plus its own extras (`prompts`, `completion_ids`, `trainer_state`, ...),
-which are ignored. labkit's trainer does the same (`TRL_KEYWORDS`). A completion is a string or TRL's conversational form, a list of message dicts.
+which are ignored; labkit's trainer does the same (`TRL_KEYWORDS`). A completion is a
+string or TRL's conversational form, a list of message dicts.
 
 Verifiable reward (RLVR): 1.0 when the final answer is mathematically equivalent to the
 ground truth, by math-verify rather than string comparison. Shaping, combination and
