@@ -85,15 +85,22 @@ def test_noisy_flips_each_verdict_with_probability_p():
     p, seeds, n = 0.2, range(100), 200
     completions = ["right", "wrong"] * (n // 2)
     fn = noisy(_truth, p)
-    flips = {1.0: 0, 0.0: 0}
+    flips, per_step = {1.0: 0, 0.0: 0}, []
     for seed in seeds:
         out = fn(completions=completions, step_seed=seed)
-        for before, after in zip(_truth(completions), out):
-            flips[before] += before != after
+        changed = [before != after for before, after in zip(_truth(completions), out)]
+        for before, flipped in zip(_truth(completions), changed):
+            flips[before] += flipped
+        per_step.append(sum(changed))
     draws = len(seeds) * n // 2  # per verdict value
     sd = math.sqrt(p * (1 - p) / draws)
     for value, count in flips.items():  # both verdicts flip alike: accuracy 1 - p on each
         assert abs(count / draws - p) < 4.5 * sd, (value, count / draws)
+    # independent flips: a step's count varies as Binomial(n, p), n p (1 - p); flips drawn
+    # together (one coin per step) would vary n times more
+    mean = sum(per_step) / len(per_step)
+    variance = sum((c - mean) ** 2 for c in per_step) / (len(per_step) - 1)
+    assert 0.5 < variance / (n * p * (1 - p)) < 1.6, variance
 
 
 def test_noisy_repeats_per_step_seed_and_nests_in_p():
