@@ -22,7 +22,7 @@ from labkit import stops
 from labkit.advantages import ESTIMATORS, Scale
 from labkit.fields import base_types, bounded, check, choice, choices, docs
 from labkit.losses import AGG_MODES, KlKind, Level
-from labkit.rewards import REWARDS
+from labkit.reward_specs import REWARD_SPECS, spec_text
 
 
 @dataclass
@@ -44,8 +44,16 @@ class TrainConfig:
     """Arithmetic: operators to draw from ('+', '-', '*')."""
     gsm8k_path: str | None = None
     """GSM8K: a local jsonl with 'question' and 'answer' (train on it, evaluate on it)."""
-    reward: str = choice("correctness", REWARDS)
-    """How a completion is scored, a name of labkit.rewards.REWARDS."""
+    reward: str = choice("correctness", REWARD_SPECS)
+    """How a completion is scored (labkit.reward_specs): a reward of labkit.rewards.REWARDS
+    (correctness: the final answer verified; strict: only a boxed answer counts; format: ends
+    in a box); shaped(lam=0.3): correctness - lam * (1 - the fraction of intermediate results
+    written); noisy(p=P): correctness's 0/1 verdict flipped with probability P, drawn from the
+    step's seed (a reward model of accuracy 1 - P); a wrapper's first argument may name another
+    reward, noisy(strict, p=0.1); a TRL reward function package.module:function, called with
+    the keywords prompts, completions, answer, steps, target, step_seed; or a weighted sum of
+    these, correctness+0.3*format (weights finite, non-zero; '-' subtracts). In Python also a
+    list of (reward, weight) pairs, stored as that sum."""
     seed: int = 0
     """Seeds the weights' noise, the prompts of each step and every sample."""
 
@@ -170,6 +178,7 @@ class TrainConfig:
         """Every field is checked here, so a bad value fails before any model loads, with a
         message that names the field and the rule it breaks. Nothing here probes the
         machine (files, devices): that is `preflight`."""
+        self.reward = spec_text(self.reward)  # a list of (reward, weight) pairs -> its sum
         check(self)
         self._check_ranges()
         self._check_task()

@@ -79,8 +79,8 @@ class Registry(Mapping):
 
     def signature(self) -> str:
         """The call every function here must accept, e.g. `(rewards, group_size, *, scale)`."""
-        keywords = ", *, " + ", ".join(self.keywords) if self.keywords else ""
-        return f"({', '.join(self.params)}{keywords})"
+        star = ("*, " + ", ".join(self.keywords),) if self.keywords else ()
+        return f"({', '.join((*self.params, *star))})"
 
     def describe(self) -> str:
         """One line for --help: each name with its docstring's opening up to the first ': '

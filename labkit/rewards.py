@@ -1,17 +1,19 @@
 """Reward functions for RL on math problems, in TRL's reward-function form.
 
 Every reward here has the signature `fn(completions, **kwargs) -> list[float]`, so it can be
-handed to TRL's `GRPOTrainer(reward_funcs=...)` unchanged: the trainer passes the dataset's
-columns as keywords (the ground truth as `answer`, the expected intermediate results as
-`steps`) plus its own extras (`prompts`, `completion_ids`, `trainer_state`, ...), which are
-ignored. A completion is a string or TRL's conversational form, a list of message dicts.
+handed to TRL's `GRPOTrainer(reward_funcs=...)` unchanged: the trainer passes everything by
+keyword, the dataset's columns (the ground truth as `answer`, the expected intermediate
+results as `steps`) plus its own extras (`prompts`, `completion_ids`, `trainer_state`, ...),
+which are ignored; labkit's trainer does the same (`TRL_KEYWORDS`). A completion is a
+string or TRL's conversational form, a list of message dicts.
 
 Verifiable reward (RLVR): 1.0 when the final answer is mathematically equivalent to the
 ground truth, by math-verify rather than string comparison. Shaping, combination and
 reward-model score normalisation are small wrappers around that.
 
-`REWARDS` is the registry of the rewards a training run can be given by name (the config's
-`reward`); adding one is one function decorated with `@REWARDS.register(name)`.
+`REWARDS` is the registry of the rewards a training run can be given by name; adding one is
+one function decorated with `@REWARDS.register(name)`. The config's `reward` is a small
+expression over these names (weights, `shaped(...)`, `noisy(...)`): `labkit.reward_specs`.
 """
 
 from __future__ import annotations
@@ -27,14 +29,20 @@ from typing import Callable, Literal, Sequence
 
 from math_verify import parse, verify
 
-from labkit.answers import extract_answer, gsm8k_ground_truth, last_box_span
+from labkit.answers import extract_answer, gsm8k_ground_truth, last_box_span, last_boxed
 from labkit.registry import Registry
 
 RewardFn = Callable[..., list]
 
-REWARDS = Registry("reward", ("completions",), ("answer",))
+TRL_KEYWORDS = ("prompts", "completions", "answer", "steps", "target", "step_seed")
+"""The keywords labkit's trainer calls a reward with, as TRL's GRPOTrainer does: the prompts,
+the completions, the task's columns (`labkit.tasks.Problem.to_record`: the ground truth
+`answer`, the intermediate results `steps`, a reference solution `target`), and the step's
+seed (`step_seed`, which `noisy` draws its flips from)."""
+
+REWARDS = Registry("reward", (), TRL_KEYWORDS)
 """Rewards by name, TRL's form: `fn(completions, *, answer, **kwargs) -> list[float]`, one
-float per completion; the trainer passes the ground truths as `answer`."""
+float per completion, called with the keywords `TRL_KEYWORDS`."""
 
 # seconds; used only in the main thread, where math-verify can time out with signal.alarm
 PARSE_TIMEOUT = 5
@@ -122,11 +130,11 @@ def _ground_truth(value, index: int) -> str:
     return gsm8k_ground_truth(text) if "####" in text else text
 
 
-def _grade(completion, gold: str, main_thread: bool) -> float:
+def _grade(completion, gold: str, main_thread: bool, extract: Callable) -> float:
     text = completion_text(completion)
     if not text:
         return 0.0
-    predicted = extract_answer(text)
+    predicted = extract(text)
     if predicted is None:
         return 0.0
     pred, want = _clean(predicted), _clean(gold)
@@ -184,14 +192,32 @@ def correctness(completions: Sequence, answer: Sequence | None = None, **kwargs)
     scores 0.0. Bad ground truth does raise ValueError: `answer` missing, a length that
     differs from `completions`, or a None or empty entry (the message names its index).
     """
+    return _verify(completions, answer, "correctness", extract_answer)
+
+
+@REWARDS.register("strict")
+def strict(completions: Sequence, answer: Sequence | None = None, **kwargs) -> list[float]:
+    r"""Strict verifiable reward, boxed answers only (RLVR, Lambert et al., 2024): r_i = 1 if the last `\boxed{...}` of completion_i equals answer_i, else 0.
+
+    `correctness` with the answer format required, as in RLVR's reward for math: "The final
+    answer is 83" scores 0 here (1 with `correctness`), "so \boxed{83}" scores 1. The box's
+    content is graded exactly as `correctness` grades an answer; the same errors are raised.
+    """
+    return _verify(completions, answer, "strict", last_boxed)
+
+
+def _verify(completions: Sequence, answer, name: str, extract: Callable) -> list[float]:
+    """The 0/1 verdicts of `completions` against `answer`, the final answer of each found by
+    `extract(text) -> str | None`."""
     per_completion(answer, "answer", completions,
-                   missing="correctness needs the ground truth as the keyword `answer` (a list "
-                           "with one entry per completion), e.g. a dataset column named 'answer'")
+                   missing=f"{name} needs the ground truth as the keyword `answer` (a list with "
+                           "one entry per completion), e.g. a dataset column named 'answer'")
     golds = [_ground_truth(a, i) for i, a in enumerate(answer)]
     main_thread = threading.current_thread() is threading.main_thread()
-    return [_grade(c, g, main_thread) for c, g in zip(completions, golds)]
+    return [_grade(c, g, main_thread, extract) for c, g in zip(completions, golds)]
 
 
+@REWARDS.register("format")
 def format_reward(completions: Sequence, **kwargs) -> list[float]:
     r"""Format reward: r_i = 1 if completion_i ends with a non-empty, balanced `\boxed{...}`.
 
@@ -279,7 +305,7 @@ def shaped(reward_fn: RewardFn, lam: float = 0.3) -> RewardFn:
         per_completion(steps, "steps", completions,
                        missing=f"shaped reward needs the keyword `steps` (one list of expected "
                                f"intermediate results per completion) for {name}")
-        raw = reward_fn(completions, steps=steps, **kwargs)
+        raw = reward_fn(completions=completions, steps=steps, **kwargs)
         return [float(r) - lam * (1.0 - step_completeness(c, s))
                 for r, c, s in zip(raw, completions, steps)]
 
@@ -337,7 +363,7 @@ def combine(*weighted: tuple[RewardFn, float]) -> RewardFn:
         total = [0.0] * len(completions)
         for fn, weight in parts:
             name = getattr(fn, "__name__", type(fn).__name__)
-            scores = check_rewards(fn(completions, **kwargs), name)
+            scores = check_rewards(fn(completions=completions, **kwargs), name)
             if len(scores) != len(completions):
                 raise RewardError(f"{name} returned {len(scores)} rewards for "
                                   f"{len(completions)} completions")

@@ -26,14 +26,14 @@ import torch
 from tqdm.auto import tqdm
 
 from labkit import metrics as M
-from labkit import rundir, stops
+from labkit import reward_specs, rundir, stops
 from labkit.advantages import NonFiniteError
 from labkit.algos import Learner, StepOutput, grpo_step, ppo_step
 from labkit.config import TrainConfig, preflight
 from labkit.evaluation import complete, evaluate
 from labkit.learner import (build_learner, learner_state, make_accelerator, restore_learner,
                             update_count)
-from labkit.rewards import REWARDS, RewardError, check_rewards, correctness
+from labkit.rewards import RewardError, correctness
 from labkit.rollout import RolloutBatch, rollout
 from labkit.tasks import ArithmeticTask, Problem, load_gsm8k, split_bucket
 
@@ -171,9 +171,9 @@ def _one_step(config, learner, tokenizer, problems, step: int, step_seed: int) -
                         group_size=config.group_size, max_new_tokens=config.max_new_tokens,
                         temperature=config.temperature, top_k=config.top_k, top_p=config.top_p,
                         seed=step_seed, decoder=learner.passes.decoder)
-    answers = [p.answer for p in problems for _ in range(config.group_size)]
-    rewards = torch.tensor(check_rewards(REWARDS.resolve(config.reward)(
-        batch.texts, answer=answers), config.reward), device=device)
+    rows = [p for p in problems for _ in range(config.group_size)]  # (N,)
+    rewards = torch.tensor(reward_specs.score(config.reward, rows, batch.texts, step_seed),
+                           device=device)
     if not config.score_truncated:
         rewards = rewards.masked_fill(batch.truncated, 0.0)
     t1 = time.perf_counter()

@@ -62,3 +62,30 @@ def test_train_rejects_an_unknown_estimator_before_any_run(tmp_path):
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert "estimator must be one of ['grpo', 'dr_grpo', 'rloo']" in done.stderr
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("reward, words", [
+    ("accuracy", ["reward='accuracy'", "no reward", "strict", "package.module:function"]),
+    ("correctness+0.3*", ["reward=", "expected a reward"]),
+    ("correctness+x*format", ["reward=", "weight is a number"]),
+    ("noisy(p=1.5)", ["reward=", "p", "[0, 1]"]),
+    ("shaped(beta=0.1)", ["reward=", "shaped takes ['lam']"]),
+])
+def test_train_rejects_a_bad_reward_in_one_line_before_any_run(tmp_path, reward, words):
+    done = run("train", "--reward", reward, "--run-dir", str(tmp_path / "run"))
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:"), done.stderr
+    assert all(w in lines[0] for w in words), lines[0]
+    assert not (tmp_path / "run").exists()
+
+
+def test_train_help_shows_the_reward_grammar(capsys):
+    from labkit.__main__ import main
+
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for words in ("shaped(lam=0.3)", "noisy(p=0.2)", "correctness+0.3*format", "strict:",
+                  "package.module:function, called with the keywords prompts, completions"):
+        assert words in text, words

@@ -273,9 +273,8 @@ def test_a_nan_reward_stops_the_run_with_one_line_and_a_resumable_checkpoint(
         tmp_path, monkeypatch, capsys):
     """Step 2's rewards are NaN: the command says so in one line (exit 1), the checkpoint
     of step 1 is there, and a resume finishes the run."""
-    import labkit.trainer
+    import labkit.reward_specs
     from labkit.__main__ import main
-    from labkit.registry import Registry
     from labkit.rundir import latest_checkpoint, load_checkpoint, read_metrics
     from labkit.trainer import train
 
@@ -286,9 +285,8 @@ def test_a_nan_reward_stops_the_run_with_one_line_and_a_resumable_checkpoint(
         scores = correctness(completions, **kwargs)
         return [math.nan] * len(scores) if len(calls) == 2 else scores
 
-    rewards = Registry("reward", ("completions",), ("answer",))  # the trainer's, NaN-giving
-    rewards.register("correctness")(nan_on_second_step)
-    monkeypatch.setattr(labkit.trainer, "REWARDS", rewards)
+    # the reward the trainer builds from config.reward, NaN-giving
+    monkeypatch.setattr(labkit.reward_specs, "build", lambda spec, field="": nan_on_second_step)
     run_dir = tmp_path / "run"
     args = ["train", "--run-dir", str(run_dir)]
     for key, value in FAST.items():

@@ -400,5 +400,6 @@ def test_the_reward_registry_names_correctness_and_takes_new_rewards():
     assert rewards.REWARDS.resolve("labkit.rewards:format_reward") is format_reward
     with pytest.raises(ValueError, match=r"reward must be one of \['correctness', "):
         rewards.REWARDS.resolve("accuracy", "reward")
-    with pytest.raises(ValueError, match=r"signature \(completions, \*, answer\)"):
+    # called as TRL calls it, every argument by keyword (rewards.TRL_KEYWORDS)
+    with pytest.raises(ValueError, match=r"signature \(\*, prompts, completions, answer, "):
         rewards.REWARDS.register("no_answer_for_test")(lambda completions: [])

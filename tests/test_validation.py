@@ -85,6 +85,13 @@ BAD_CONFIGS = [
     (dict(agg="labkit.losses:kl"), "agg", "signature"),
     (dict(reward="labkit.rewards:PARSE_TIMEOUT"), "reward", "not a function"),
     (dict(reward="accuracy"), "reward", "correctness"),
+    (dict(reward="correctness+abc*format"), "reward", "weight is a number"),
+    (dict(reward="correctness+0*format"), "reward", "non-zero"),
+    (dict(reward="noisy(p=1.5)"), "reward", "[0, 1]"),
+    (dict(reward="noisy"), "reward", "noisy(p=0.2)"),
+    (dict(reward="shaped(lam=-1)"), "reward", "lam"),
+    (dict(reward=[("correctness", 1.0), ("format", math.inf)]), "reward", "finite"),
+    (dict(reward="labkit.rewards:completion_text"), "reward", "signature"),
     (dict(share_prompt="auto"), "share_prompt", "True, False or None"),
 ]
 
@@ -167,10 +174,30 @@ def test_a_saved_config_from_before_the_fast_field_was_named_reads_lean_as_fast(
     dict(beta=0.04, stop_rules="policy/kl>0.5"), dict(dual_clip=3.0, value_clip=None),
     dict(digits=1, eval_n=8), dict(estimator="labkit.advantages:rloo"),
     dict(agg="labkit.losses:token_mean"), dict(reward="labkit.rewards:format_reward"),
+    dict(reward="strict"), dict(reward="correctness+0.3*format"), dict(reward="shaped(lam=0.5)"),
+    dict(reward="noisy(strict, p=0.1)"),
 ], ids=str)
 def test_good_fields_still_pass(fields):
     config = TrainConfig(**fields)
     assert all(getattr(config, k) == v for k, v in fields.items())
+
+
+def test_a_list_of_reward_pairs_is_stored_as_its_sum():
+    config = TrainConfig(reward=[("correctness", 1), ("format", 0.3)])
+    assert config.reward == "correctness+0.3*format"
+    assert TrainConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config
+
+
+@pytest.mark.parametrize("stem", ["01_grpo_vs_ppo", "02_group_size_sweep",
+                                  "03_advantage_variance_live"])
+def test_a_notebooks_reward_is_checked_before_a_kernel_starts(stem):
+    from labkit.lab.runner import check_parameters
+
+    notebook = NOTEBOOKS / f"{stem}.ipynb"
+    assert check_parameters(notebook, {"reward": "noisy(p=0.2)"}) == {"reward": "noisy(p=0.2)"}
+    with pytest.raises(ValueError) as e:
+        check_parameters(notebook, {"reward": "noisy(p=2)"})
+    assert all(w in str(e.value) for w in (f"{stem}.ipynb", "reward", "[0, 1]")), str(e.value)
 
 
 def test_a_pass_at_k_rule_needs_that_k_to_be_logged():
@@ -239,6 +266,9 @@ CLI_CASES = [
     ("run-estimator", lambda t: ["run", NOTEBOOKS / "03_advantage_variance_live.ipynb", "-p",
                                  "estimator", "ppo", "--root", t / "runs"],
      ["estimator", "rloo"]),
+    ("run-reward", lambda t: ["run", NOTEBOOKS / "01_grpo_vs_ppo.ipynb", "-p", "reward",
+                              "correctness+x*format", "--root", t / "runs"],
+     ["01_grpo_vs_ppo.ipynb", "reward", "weight"]),
     ("run-missing-value", lambda t: ["run", TINY, "-p", "label"], ["-p", "expected 2 arguments"]),
     ("sweep-bad-yaml", lambda t: ["sweep", bad_yaml(t), "--root", t / "runs"],
      ["bad.yaml", "not valid YAML"]),

@@ -1,0 +1,340 @@
+"""The config's `reward`: a small expression over labkit.rewards, checked when the config is
+made and built into one TRL-signature reward function for the trainer.
+
+Grammar (spaces are ignored):
+
+    spec   := ['-'] term (('+' | '-') term)*
+    term   := [NUMBER '*'] reward
+    reward := NAME | NAME '(' args ')' | package.module:function
+    args   := spec | [spec ','] KEY '=' NUMBER (',' KEY '=' NUMBER)*
+
+NAME is a reward of `labkit.rewards.REWARDS` (correctness, strict, format) or a wrapper of
+`WRAPPERS` (shaped, noisy), whose optional first argument is the reward it wraps (default
+correctness). A weight is a finite non-zero number; a term without one has weight 1. So
+`correctness+0.3*format`, `shaped(lam=0.3)`, `noisy(p=0.2)`, `noisy(strict, p=0.1)`,
+`strict-0.5*mypkg.rewards:too_long`. In Python a list of (reward, weight) pairs is the same
+sum: `[("correctness", 1.0), ("format", 0.3)]` is `correctness+0.3*format` (`spec_text`).
+
+Every reward is called with TRL's keywords (`labkit.rewards.TRL_KEYWORDS`): `prompts`,
+`completions`, the task's columns `answer`, `steps`, `target`, and the step's `step_seed`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import numbers
+import random
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+
+from labkit.rewards import (REWARDS, RewardError, RewardFn, check_rewards, combine, correctness,
+                            shaped)
+
+FIELD = "reward"
+
+
+def noisy(reward_fn: RewardFn, p: float) -> RewardFn:
+    """Noisy verifier, a reward model of accuracy 1 - p: r_i' = 1 - r_i with probability p.
+
+    The cheap stand-in for an imperfect reward model (how reward-model accuracy shapes RL
+    training: Chen et al., 2024, "The Accuracy Paradox in RLHF"): r_i' = 1 - r_i if u_i < p,
+    else r_i, with u_i uniform on [0, 1) drawn for completion i from the keyword `step_seed` (the
+    trainer's step seed), so a run and its resume flip the same verdicts, and runs that
+    differ only in p share their u (a smaller p flips a subset). Without `step_seed` (under
+    TRL) the draws follow the order of the calls. A verdict other than 0 or 1 raises
+    RewardError: there is nothing to flip.
+    """
+    if isinstance(p, bool) or not isinstance(p, numbers.Real) or not 0.0 <= p <= 1.0:
+        raise ValueError(f"p must be a number in [0, 1], got {p!r}")
+    name = getattr(reward_fn, "__name__", type(reward_fn).__name__)
+    calls = itertools.count()
+
+    def noisy_reward(completions: Sequence, step_seed: int | None = None, **kwargs):
+        verdicts = check_rewards(reward_fn(completions=completions, step_seed=step_seed,
+                                           **kwargs), name)
+        key = step_seed if step_seed is not None else f"call {next(calls)}"
+        draws = random.Random(f"labkit.noisy/{name}/{key}")  # apart from every other stream
+        out = []
+        for i, verdict in enumerate(verdicts):
+            if verdict not in (0.0, 1.0):
+                raise RewardError(f"noisy flips 0/1 verdicts, but {name} returned {verdict!r} "
+                                  f"at index {i}")
+            out.append(1.0 - verdict if draws.random() < p else verdict)
+        return out
+
+    noisy_reward.__name__ = noisy_reward.__qualname__ = f"noisy({name},p={p:g})"
+    return noisy_reward
+
+
+@dataclass(frozen=True)
+class Wrapper:
+    """A reward made from another one and numeric parameters: `build(base, **params)`."""
+
+    build: Callable[..., RewardFn]
+    params: dict[str, tuple[float | None, float, float, str]]
+    """Each parameter's default (None: required), lowest and highest value, and meaning."""
+    title: str
+    binary_base: bool = False
+    """The base must return 0/1 verdicts: one reward, no weight, no shaping."""
+
+
+WRAPPERS = {
+    "shaped": Wrapper(lambda fn, lam: shaped(fn, lam=lam),
+                      {"lam": (0.3, 0.0, 1.0, "the penalty for skipping every step")},
+                      "step-completeness shaping, r - lam * (1 - completeness)"),
+    "noisy": Wrapper(noisy, {"p": (None, 0.0, 1.0, "the probability of flipping a verdict")},
+                     "a verifier of accuracy 1 - p, each 0/1 verdict flipped with probability p",
+                     binary_base=True),
+}
+"""Rewards with parameters, by name: `shaped(lam=0.3)`, `noisy(p=0.2)`, `noisy(strict, p=0.1)`."""
+
+
+@dataclass(frozen=True)
+class Term:
+    """One `weight * reward` of a spec; `base` is a wrapper's argument (None: correctness)."""
+
+    weight: float
+    name: str
+    base: tuple[Term, ...] | None = None
+    params: tuple[tuple[str, float], ...] = ()
+
+
+_TOKEN = re.compile(r"\s*(?:(?P<number>(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)"
+                    r"|(?P<name>[A-Za-z_][\w.]*(?::[A-Za-z_][\w.]*)?)|(?P<op>[-+*(),=]))")
+
+
+def _tokens(text: str) -> list[tuple[str, str]]:
+    """(kind, text) pairs, kind one of number, name, op; a last ('end', '')."""
+    out, pos = [], 0
+    while text[pos:].strip():
+        m = _TOKEN.match(text, pos)
+        if m is None:
+            bad = text[pos:].lstrip()[0]
+            raise ValueError(f"unexpected {bad!r} at position {text.index(bad, pos)}")
+        kind = m.lastgroup
+        out.append((kind, m.group(kind)))
+        pos = m.end()
+    return out + [("end", "")]
+
+
+class _Parser:
+    """Recursive descent over the grammar of the module docstring."""
+
+    def __init__(self, text: str):
+        self.tokens, self.i = _tokens(text), 0
+
+    def peek(self) -> tuple[str, str]:
+        return self.tokens[self.i]
+
+    def take(self, kind: str, what: str) -> str:
+        """The next token, which must be of `kind` (number, name, end) or the operator `kind`."""
+        found_kind, found = self.tokens[self.i]
+        if kind != found_kind and (found_kind, found) != ("op", kind):
+            raise ValueError(f"expected {what}, got {repr(found) if found else 'the end'}")
+        self.i += 1
+        return found
+
+    def spec(self) -> tuple[Term, ...]:
+        terms, sign = [], 1.0
+        if self.peek() in (("op", "+"), ("op", "-")):
+            sign = -1.0 if self.take("op", "a sign") == "-" else 1.0
+        while True:
+            terms.append(self.term(sign))
+            if self.peek() not in (("op", "+"), ("op", "-")):
+                return tuple(terms)
+            sign = -1.0 if self.take("op", "'+' or '-'") == "-" else 1.0
+
+    def term(self, sign: float) -> Term:
+        weight = 1.0
+        if self.peek()[0] == "number":
+            weight = _weight(float(self.take("number", "a weight")))
+            self.take("*", "'*' after the weight")
+        kind, name = self.peek()
+        if kind != "name":
+            raise ValueError(f"expected a reward, got {repr(name) if name else 'the end'}")
+        self.i += 1
+        if self.peek() == ("op", "*"):
+            raise ValueError(f"a weight is a number written before '*' (e.g. 0.3*format), "
+                             f"got {name!r}")
+        base, params = self.arguments() if self.peek() == ("op", "(") else (None, ())
+        return Term(sign * weight, name, base, params)
+
+    def arguments(self) -> tuple[tuple[Term, ...] | None, tuple[tuple[str, float], ...]]:
+        self.take("(", "'('")
+        base, params = None, []
+        while self.peek() != ("op", ")"):
+            if params or base is not None:
+                self.take(",", "',' or ')'")
+            kind, _ = self.peek()
+            if kind == "name" and self.tokens[self.i + 1] == ("op", "="):
+                key = self.take("name", "a parameter")
+                self.take("=", "'='")
+                sign = -1.0 if self.peek() == ("op", "-") and self.take("op", "-") else 1.0
+                params.append((key, sign * float(self.take("number", f"a number for {key}"))))
+            elif base is None and not params:
+                base = self.spec()
+            else:
+                raise ValueError("the reward a wrapper wraps comes first, then KEY=NUMBER")
+        self.take(")", "')'")
+        return base, tuple(params)
+
+
+def _weight(value: float) -> float:
+    if not math.isfinite(value) or value == 0:
+        raise ValueError(f"a weight must be a finite, non-zero number, got {value!r}")
+    return value
+
+
+def parse(spec: str, field: str = FIELD) -> tuple[Term, ...]:
+    """The terms of `spec`, every name, weight and parameter checked; ValueError names
+    `field` and the rule."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"{field} must be a reward such as 'correctness' or "
+                         f"'correctness+0.3*format', got {spec!r}")
+    try:
+        parser = _Parser(spec)
+        terms = parser.spec()
+        parser.take("end", "'+', '-' or the end")
+        for term in terms:
+            _check_term(term)
+    except ValueError as e:
+        raise ValueError(f"{field}={spec!r}: {e}") from None
+    return terms
+
+
+def _check_term(term: Term) -> None:
+    if ":" in term.name:
+        if term.base is not None or term.params:
+            raise ValueError(f"{term.name} takes no arguments")
+        return
+    if term.name in REWARDS:
+        if term.base is not None or term.params:
+            raise ValueError(f"{term.name} takes no arguments; only {list(WRAPPERS)} do")
+        return
+    if term.name not in WRAPPERS:
+        raise ValueError(f"{term.name!r} is no reward; choose one of "
+                         f"{[*REWARDS, *WRAPPERS]} or an import path 'package.module:function'")
+    wrapper = WRAPPERS[term.name]
+    given = dict(term.params)
+    for key, value in term.params:
+        if key not in wrapper.params:
+            raise ValueError(f"{term.name} takes {list(wrapper.params)}, got {key}")
+        _default, low, high, meaning = wrapper.params[key]
+        if not low <= value <= high:
+            raise ValueError(f"{term.name}'s {key} ({meaning}) must lie in [{low:g}, {high:g}], "
+                             f"got {value:g}")
+    missing = [k for k, (default, *_rest) in wrapper.params.items()
+               if default is None and k not in given]
+    if missing or len(given) != len(term.params):
+        raise ValueError(f"{term.name} needs each of {list(wrapper.params)} once "
+                         f"(e.g. {example(term.name)})")
+    for inner in term.base or ():
+        _check_term(inner)
+    if wrapper.binary_base and term.base is not None and (
+            len(term.base) != 1 or term.base[0].weight != 1 or term.base[0].name == "shaped"):
+        raise ValueError(f"{term.name} flips 0/1 verdicts: its reward must be one 0/1 reward "
+                         f"without weight or shaping (e.g. {example(term.name, 'strict')})")
+
+
+def example(name: str, base: str = "") -> str:
+    """A call of wrapper `name` with each parameter set, e.g. `noisy(p=0.2)`."""
+    values = [f"{k}={0.2 if d is None else d:g}" for k, (d, *_r) in WRAPPERS[name].params.items()]
+    return f"{name}({', '.join(([base] if base else []) + values)})"
+
+
+def spec_text(spec, field: str = FIELD) -> str:
+    """A spec as its text: a string as is; a list of (reward, weight) pairs as their sum,
+    `[("correctness", 1), ("format", 0.3)]` -> 'correctness+0.3*format'. Each pair names one
+    reward (no sum inside a pair). ValueError names `field`."""
+    if isinstance(spec, str):
+        return spec
+    if not isinstance(spec, (list, tuple)) or not spec:
+        raise ValueError(f"{field} must be a string such as 'correctness+0.3*format' or a "
+                         f"non-empty list of (reward, weight) pairs, got {spec!r}")
+    text = ""
+    for i, item in enumerate(spec):
+        if not (isinstance(item, (list, tuple)) and len(item) == 2 and isinstance(item[0], str)):
+            raise ValueError(f"{field}[{i}] must be a (reward, weight) pair, got {item!r}")
+        name, weight = item
+        if (isinstance(weight, bool) or not isinstance(weight, numbers.Real)
+                or not math.isfinite(weight) or weight == 0):
+            raise ValueError(f"{field}[{i}]: the weight of {name!r} must be a finite, non-zero "
+                             f"number, got {weight!r}")
+        terms = parse(name, f"{field}[{i}]")
+        if len(terms) != 1 or terms[0].weight != 1:
+            raise ValueError(f"{field}[{i}]: {name!r} must be one reward, its weight given "
+                             "in the pair")
+        w = float(weight)
+        name = name.strip()
+        term = name if w == 1 else "-" + name if w == -1 else f"{w!r}*{name}"
+        text += term if not text or term.startswith("-") else "+" + term
+    return text
+
+
+def build(spec, field: str = FIELD) -> RewardFn:
+    """The reward function of a spec (a string or a list of pairs), checked, imported and
+    built once per text. A lone unweighted name is the registered function itself."""
+    return _built(spec_text(spec, field), field)
+
+
+@lru_cache(maxsize=64)
+def _built(text: str, field: str) -> RewardFn:
+    return _sum(parse(text, field), field)
+
+
+def _sum(terms: Sequence[Term], field: str) -> RewardFn:
+    parts = [(_one(t, field), t.weight) for t in terms]
+    return parts[0][0] if len(parts) == 1 and parts[0][1] == 1 else combine(*parts)
+
+
+def _one(term: Term, field: str) -> RewardFn:
+    if term.name in WRAPPERS:
+        wrapper = WRAPPERS[term.name]
+        values = {k: d for k, (d, *_r) in wrapper.params.items()} | dict(term.params)
+        return wrapper.build(correctness if term.base is None else _sum(term.base, field),
+                             **values)
+    return REWARDS.resolve(term.name, field)
+
+
+def reward_columns(rows: Sequence, completions: Sequence[str], step_seed: int) -> dict:
+    """The keywords of a reward call, as TRL's: `prompts`, `completions`, each column of the
+    problems' records (`Problem.to_record`: `answer`, `steps`, `target`) but the prompt, and
+    `step_seed`. `rows` holds the problem of each completion (N = B*G, G per prompt)."""
+    records = [row.to_record() for row in rows]
+    columns = {"prompts": [r["prompt"] for r in records], "completions": list(completions)}
+    for key in (records[0] if records else {}):
+        if key != "prompt":
+            columns[key] = [r[key] for r in records]
+    return {**columns, "step_seed": step_seed}
+
+
+def score(spec, rows: Sequence, completions: Sequence[str], step_seed: int) -> list[float]:
+    """The rewards of `completions` (N,) under `spec`, one finite float each, or RewardError."""
+    values = check_rewards(build(spec)(**reward_columns(rows, completions, step_seed)),
+                           spec_text(spec))
+    if len(values) != len(completions):
+        raise RewardError(f"reward {spec_text(spec)} returned {len(values)} rewards for "
+                          f"{len(completions)} completions")
+    return values
+
+
+class RewardSpecs:
+    """What the config's `reward` may name, in the place of a registry (`fields.choice`):
+    `resolve` builds a spec, `describe` lists the choices for --help."""
+
+    def resolve(self, spec, field: str | None = None) -> RewardFn:
+        return build(spec, field or FIELD)
+
+    def describe(self) -> str:
+        wrapped = "; ".join(f"{example(name)}: {w.title}" for name, w in WRAPPERS.items())
+        return (f"{REWARDS.describe()}; {wrapped}; and weighted sums of these, e.g. "
+                "correctness+0.3*format")
+
+
+REWARD_SPECS = RewardSpecs()
+
+__all__ = ["noisy", "WRAPPERS", "Wrapper", "Term", "parse", "spec_text", "build",
+           "reward_columns", "score", "RewardSpecs", "REWARD_SPECS", "example"]
