@@ -21,7 +21,7 @@ from typing import Literal
 from labkit import stops
 from labkit.advantages import ESTIMATORS, Scale
 from labkit.fields import base_types, bounded, check, choice, choices, docs
-from labkit.losses import AGG_MODES, KlKind, Level
+from labkit.losses import AGG_MODES, Level
 from labkit.rewards import REWARDS
 
 
@@ -87,8 +87,10 @@ class TrainConfig:
     """token: PPO's per-token ratio; sequence: GSPO's length-normalised sequence ratio."""
     beta: float = bounded(0.0, ge=0)
     """KL coefficient: in the loss for GRPO, in the reward for PPO. 0 loads no reference."""
-    kl_kind: KlKind = "k3"
-    """KL estimator (k3 is DeepSeekMath's, unbiased and >= 0)."""
+    kl_kind: Literal["auto", "k1", "k2", "k3"] = "auto"
+    """KL estimator of labkit.losses.kl; auto picks per algorithm, as the papers do: k3 in
+    GRPO's loss (DeepSeekMath; unbiased and >= 0), k1 = logp - ref_logp in PPO's reward
+    (InstructGPT, Ouyang et al. 2022). An explicit k1, k2 or k3 wins (`kl_estimator`)."""
     entropy_coef: float = bounded(0.0, ge=0)
     """Entropy bonus: loss - entropy_coef * mean entropy."""
     dynamic_sampling: bool = False
@@ -238,6 +240,14 @@ class TrainConfig:
     def rows(self) -> int:
         """N = B * G completions per step."""
         return self.batch_prompts * self.group_size
+
+    @property
+    def kl_estimator(self) -> str:
+        """The KL estimator a run uses: kl_kind, or for auto k1 (PPO's reward) or k3 (GRPO's
+        loss)."""
+        if self.kl_kind != "auto":
+            return self.kl_kind
+        return "k1" if self.algo == "ppo" else "k3"
 
     @property
     def optimizer_steps(self) -> int:

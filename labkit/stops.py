@@ -117,13 +117,14 @@ def never_logged(rule: StopRule, config) -> str | None:
     mistake, not a safety net), or None when it may."""
     c, m = config, rule.metric
     needs = [
-        (m in ("policy/kl", "loss/kl"), c.beta > 0, "beta > 0"),
+        (m in ("policy/kl", "policy/kl_k1", "loss/kl"), c.beta > 0, "beta > 0"),
         (m == "loss/kl", c.algo == "grpo", "algo='grpo' (PPO puts the KL in the reward)"),
         (m.startswith("value/") or m == "loss/value", c.algo == "ppo", "algo='ppo'"),
         (m == "rollout/kept_frac", c.algo == "grpo", "algo='grpo'"),
         (m == "clip/dual", c.dual_clip is not None, "dual_clip"),
         (m == "loss/entropy", c.entropy_coef > 0, "entropy_coef > 0"),
         (m.startswith(("clip/", "ratio/")), not c.reinforce, "reinforce=False"),
+        (m.startswith("reuse/"), c.num_iterations >= 2, "num_iterations >= 2"),
         (m == "eval/cgc", c.cgc_prompts > 0 and c.group_size >= 2,
          "cgc_prompts > 0 and group_size >= 2"),
     ]

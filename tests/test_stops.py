@@ -14,6 +14,7 @@ from labkit.trainer import STOPPED, train
 # the trainer's smoke settings, with evaluation cut to the minimum: these runs are about steps
 FAST = dict(batch_prompts=4, group_size=4, max_new_tokens=12, eval_every=1000, eval_n=4,
             eval_samples=0, cgc_prompts=0, progress=False, lr=5e-4)
+CLIPPING = dict(lr=1e-2, warmup_steps=0)  # steps large enough that a second pass clips
 
 
 # --- grammar ---------------------------------------------------------------------------------
@@ -141,3 +142,36 @@ def test_a_resumed_run_keeps_its_streaks(tmp_path):
     resumed = train(resume=tmp_path / "cut")
     assert resumed.steps == 3 and "step 3" in resumed.stopped
     assert [r["step"] for r in read_metrics(tmp_path / "cut" / "metrics.jsonl")] == [0, 1, 2, 3]
+
+
+# --- clip rules ------------------------------------------------------------------------------
+
+def test_clip_rules_need_a_clipped_surrogate_and_reuse_rules_a_reused_batch():
+    with pytest.raises(ValueError, match="num_iterations >= 2"):
+        TrainConfig(stop_rules="reuse/clip_total>0.3")
+    with pytest.raises(ValueError, match="reinforce=False"):
+        TrainConfig(reinforce=True, stop_rules="clip/total>0.3")
+    with pytest.raises(ValueError, match="beta > 0"):
+        TrainConfig(stop_rules="policy/kl_k1>0.3")
+    TrainConfig(num_iterations=2, beta=0.1, stop_rules="reuse/clip_total>0.3; policy/kl_k1>1")
+
+
+def test_a_clip_total_rule_fires_when_batches_are_reused(tmp_path):
+    """With two passes over each batch the second one clips; TLCR is logged, so a rule on it
+    can end the run. The first pass is on-policy (ratio 1, nothing clips), so with one
+    minibatch the mean over both passes is half the second pass's fraction."""
+    result = train(TrainConfig(run_dir=str(tmp_path / "run"), steps=6, num_iterations=2,
+                               stop_rules="clip/total>0.01", **{**FAST, **CLIPPING}))
+    records = result.history[1:]
+    assert result.steps < 6 and "clip/total>0.01" in result.stopped
+    assert records[-1]["clip/total"] > 0.01 and all(r["clip/total"] <= 0.01 for r in records[:-1])
+    for r in records:
+        assert r["clip/total"] == pytest.approx(r["clip/low"] + r["clip/high"], abs=1e-12)
+        assert r["clip/total"] == pytest.approx(r["reuse/clip_total"] / 2, abs=1e-9)
+        assert r["reuse/clip_total"] == pytest.approx(r["reuse/clip_low"] + r["reuse/clip_high"])
+
+
+def test_one_pass_logs_no_reuse_fractions_and_clips_nothing(tmp_path):
+    result = train(TrainConfig(run_dir=str(tmp_path / "run"), steps=2, **{**FAST, **CLIPPING}))
+    for r in result.history[1:]:
+        assert r["clip/total"] == 0.0 and not any(k.startswith("reuse/") for k in r)

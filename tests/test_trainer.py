@@ -291,3 +291,46 @@ def test_train_draws_each_step_with_step_seed(tmp_path, monkeypatch):
     monkeypatch.setattr(labkit.trainer, "step_seed", lambda config, step: 7)
     first, second = prompts_of_each_step("constant")
     assert torch.equal(first, second)
+
+
+# --- KL: which estimator by default, and one comparable key -------------------------------
+
+def test_kl_kind_defaults_per_algorithm_and_an_explicit_choice_wins():
+    from typing import get_args, get_type_hints
+
+    from labkit.losses import KL_KINDS
+
+    assert TrainConfig().kl_estimator == "k3" and TrainConfig(algo="ppo").kl_estimator == "k1"
+    for kind in KL_KINDS:
+        assert TrainConfig(kl_kind=kind).kl_estimator == kind
+        assert TrainConfig(algo="ppo", kl_kind=kind).kl_estimator == kind
+    assert set(get_args(get_type_hints(TrainConfig)["kl_kind"])) == {"auto", *KL_KINDS}
+
+
+@pytest.mark.parametrize("algo", ["grpo", "ppo"])
+def test_kl_k1_is_the_same_quantity_for_both_algorithms(algo):
+    """policy/kl_k1 = mean over real tokens of logp_old - logp_ref, recomputed here from the
+    step's batch and the reference, once the policy has moved away from it."""
+    from labkit.scoring import token_logprobs
+    from labkit.trainer import Trainer
+
+    config = TrainConfig(algo=algo, beta=0.1, **dict(STEP, lr=2e-2, warmup_steps=0))
+    trainer = Trainer(config)
+    results = [trainer.step(s) for s in (1, 2, 3, 4)]  # steps without mixed groups move nothing
+    result = results[-1]
+    batch = result.batch
+    with torch.no_grad():
+        ref, _ = token_logprobs(trainer.learner.reference, batch, temperature=config.temperature)
+    mask = batch.completion_mask.bool()
+    want = (batch.old_logprobs - ref)[mask].double().mean().item()
+    assert abs(want) > 1e-3  # the policy has moved: the test can tell k1 from 0
+    assert result.metrics["policy/kl_k1"] == pytest.approx(want, abs=1e-5)
+    if algo == "ppo":  # k1 in the reward by default, on the same tokens
+        assert result.metrics["policy/kl"] == result.metrics["policy/kl_k1"]
+
+
+def test_kl_k1_needs_a_reference():
+    from labkit.trainer import Trainer
+
+    result = Trainer(TrainConfig(**STEP)).step(1)
+    assert "policy/kl_k1" not in result.metrics and "policy/kl" not in result.metrics

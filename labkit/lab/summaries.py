@@ -62,8 +62,9 @@ def summary_rows(results: Mapping[str, RunResult]) -> list[dict]:
                "final_reward": _mean(tail), "step_s": statistics.median(_values(h, "perf/step_s")),
                "mem_mb": max(_values(h, "perf/mem_mb")), "state_mb": state_mb(c),
                "wall_s": result.wall_s}
-        means = {"kl": "policy/kl", "entropy": "policy/entropy", "clip_low": "clip/low",
-                 "clip_high": "clip/high", "gav": "adv/gav",
+        means = {"kl": "policy/kl", "kl_k1": "policy/kl_k1", "entropy": "policy/entropy",
+                 "clip_low": "clip/low", "clip_high": "clip/high", "clip_total": "clip/total",
+                 "reuse_clip_total": "reuse/clip_total", "gav": "adv/gav",
                  "frac_zero_std": "rollout/frac_zero_std"}
         row |= {k: _mean(_values(h, key)) for k, key in means.items()}
         row["adv_var"] = _mean([s * s for s in _values(h, "adv/std")])
