@@ -167,6 +167,15 @@ class TrainConfig:
     each 'METRIC OP NUMBER [for COUNT]' with OP one of > >= < <= and METRIC a key of
     labkit.metrics.METRICS, e.g. 'adv/gav>0.45 for 5; policy/kl>0.5'. COUNT (default 1)
     consecutive records that log the metric must meet the condition. Blank: no rule."""
+    dead_steps: int = bounded(20, ge=0)
+    """K: a run is dead after K consecutive steps in which no group has reward variance (all
+    N rewards equal when group_size is 1) or nearly every completion hits max_new_tokens
+    (rollout/truncated_frac >= labkit.stops.DEAD_TRUNCATED); it is said, recorded in
+    dead_run.json, and stops the run unless stop_when_dead is False. K must outlast the dead
+    spells that recover (a few steps). 0 turns the detection off."""
+    stop_when_dead: bool = True
+    """End a dead run (see dead_steps) with a checkpoint and stopped.json, so a resume does not
+    continue it; False only says so and records it (experiments that count collapses)."""
 
     def __post_init__(self):
         """Every field is checked here, so a bad value fails before any model loads, with a

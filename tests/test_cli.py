@@ -62,3 +62,17 @@ def test_train_rejects_an_unknown_estimator_before_any_run(tmp_path):
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert "estimator must be one of ['grpo', 'dr_grpo', 'rloo']" in done.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_train_says_a_dead_run_in_its_last_json_line(tmp_path):
+    """One-token completions never reach EOS: every step is dead, and with --dead-steps 2 the
+    run stops at step 2 and its last JSON line says why."""
+    done = run("train", "--steps", "5", "--max-new-tokens", "1", "--dead-steps", "2",
+               "--batch-prompts", "2", "--group-size", "2", "--eval-n", "4", "--eval-samples",
+               "0", "--cgc-prompts", "0", "--progress", "false", "--run-dir", str(tmp_path / "r"))
+    assert done.returncode == 0, done.stderr
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    dead = summary["dead_run"]
+    assert summary["steps"] == 2 and (dead["first"], dead["step"]) == (1, 2) and dead["truncated"]
+    assert summary["stopped"] == dead["message"] and dead["message"] in done.stderr
+    assert json.loads((tmp_path / "r" / "dead_run.json").read_text()) == dead

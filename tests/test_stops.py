@@ -8,7 +8,7 @@ import pytest
 
 from labkit.config import TrainConfig
 from labkit.rundir import latest_checkpoint, load_checkpoint, read_metrics
-from labkit.stops import StopRule, StopRules, parse
+from labkit.stops import DEAD_TRUNCATED, DeadRunWatch, StopRule, StopRules, parse
 from labkit.trainer import STOPPED, train
 
 # the trainer's smoke settings, with evaluation cut to the minimum: these runs are about steps
@@ -175,3 +175,59 @@ def test_one_pass_logs_no_reuse_fractions_and_clips_nothing(tmp_path):
     result = train(TrainConfig(run_dir=str(tmp_path / "run"), steps=2, **{**FAST, **CLIPPING}))
     for r in result.history[1:]:
         assert r["clip/total"] == 0.0 and not any(k.startswith("reuse/") for k in r)
+
+
+# --- dead runs -------------------------------------------------------------------------------
+
+def _rollout(step, zero_std=1.0, truncated=0.0, reward=0.0, reward_std=0.0):
+    return {"step": step, "rollout/reward_mean": reward, "rollout/frac_zero_std": zero_std,
+            "rollout/truncated_frac": truncated, "rollout/reward_std": reward_std}
+
+
+def test_a_dead_run_is_found_on_the_kth_consecutive_dead_step_once():
+    watch = DeadRunWatch(3, group_size=4)
+    records = [_rollout(1), _rollout(2), _rollout(3, zero_std=0.75),  # a spell of 2, broken
+               _rollout(4), {"step": 5, "eval/accuracy": 0.0}, _rollout(5)]
+    assert [watch.update(r) for r in records] == [None] * 6
+    dead = watch.update(_rollout(6))
+    assert (dead.first, dead.step, dead.truncated, dead.reward_mean) == (4, 6, False, 0.0)
+    assert [watch.update(_rollout(s)) for s in (7, 8, 9)] == [None] * 3  # said once per spell
+    assert watch.update(_rollout(10, zero_std=0.5)) is None
+    assert [watch.update(_rollout(s)) for s in (11, 12)] == [None] * 2
+    assert watch.update(_rollout(13)).first == 11  # a new spell is said again
+
+
+def test_truncation_alone_makes_a_step_dead():
+    watch = DeadRunWatch(2, group_size=4)
+    assert watch.update(_rollout(1, zero_std=0.5, truncated=1.0)) is None
+    dead = watch.update(_rollout(2, zero_std=0.5, truncated=DEAD_TRUNCATED))
+    assert dead.truncated and dead.step == 2
+    below = DeadRunWatch(2, group_size=4)
+    for step in (1, 2, 3):
+        assert below.update(_rollout(step, zero_std=0.5, truncated=0.9)) is None
+
+
+def test_groups_of_one_are_dead_only_when_the_whole_batch_scores_alike():
+    """With G = 1 every group has zero spread: the batch's reward std decides."""
+    watch = DeadRunWatch(2, group_size=1)
+    assert [watch.update(_rollout(s, reward_std=0.4)) for s in (1, 2, 3)] == [None] * 3
+    assert watch.update(_rollout(4)) is None and watch.update(_rollout(5)).first == 4
+
+
+def test_zero_steps_turns_the_watch_off():
+    watch = DeadRunWatch(0, group_size=4)
+    assert all(watch.update(_rollout(s, truncated=1.0)) is None for s in range(1, 50))
+
+
+@pytest.mark.parametrize("record, cause", [
+    (dict(truncated=1.0), "lost its EOS"),
+    (dict(truncated=0.0), "collapsed"),
+    (dict(truncated=0.0, reward=1.0), "solved the task"),
+])
+def test_a_dead_run_is_one_sentence_with_its_cause_and_the_levers(record, cause):
+    watch = DeadRunWatch(1, group_size=4)
+    text = watch.update(_rollout(7, **record)).message()
+    assert "\n" not in text and ". " not in text, text  # one sentence
+    assert text.startswith("dead run") and "step" in text and cause in text
+    for lever in ("lower lr", "beta > 0", "larger max_new_tokens"):
+        assert lever in text, (lever, text)

@@ -49,8 +49,9 @@ def state_mb(config: TrainConfig) -> float:
 
 
 def summary_rows(results: Mapping[str, RunResult]) -> list[dict]:
-    """One row per run: accuracy before/after, final reward, cost, and the mean over steps
-    of KL, entropy, clip fractions, GAV and the advantage variance (missing keys left out)."""
+    """One row per run: accuracy before/after, final reward, cost, the mean over steps of
+    KL, entropy, clip fractions, GAV and the advantage variance (missing keys left out), and
+    whether the run was found dead (`dead_run` 1 or 0; `dead_step`, the step it was found)."""
     rows = []
     for name, result in results.items():
         h, c = result.history, result.config
@@ -68,6 +69,9 @@ def summary_rows(results: Mapping[str, RunResult]) -> list[dict]:
                  "frac_zero_std": "rollout/frac_zero_std"}
         row |= {k: _mean(_values(h, key)) for k, key in means.items()}
         row["adv_var"] = _mean([s * s for s in _values(h, "adv/std")])
+        row["dead_run"] = int(result.dead is not None)
+        if result.dead is not None:
+            row["dead_step"] = result.dead["step"]
         rows.append({k: v for k, v in row.items() if v is not None})
     return rows
 
