@@ -188,8 +188,8 @@ class Dead:
         levers = "try a lower lr, beta > 0 (a KL to the reference), or a larger max_new_tokens"
         if self.truncated:
             return (f"dead run: in {when} nearly every completion hit max_new_tokens without "
-                    f"EOS, unfinished; the policy has likely lost its EOS token after too "
-                    f"large an update; {levers}")
+                    f"EOS; the policy has likely lost its EOS token after too large an update, "
+                    f"or max_new_tokens is too small for its answers; {levers}")
         if self.reward_mean == 0:
             return (f"dead run: in {when} every completion scored 0, so "
                     f"no group had reward variance and every group-relative advantage was 0; "
