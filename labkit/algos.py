@@ -73,12 +73,13 @@ def kept_rows(config: TrainConfig, rewards: Tensor) -> Tensor:
 
 
 def _micro_batches(config: TrainConfig, rows: Tensor, step_seed: int):
-    """For each optimizer step, its micro-batches of row indices (a shuffled split)."""
+    """For each optimizer step, its pass over the batch (0 for the first) and its
+    micro-batches of row indices (a shuffled split)."""
     generator = torch.Generator().manual_seed(step_seed)
-    for _ in range(config.num_iterations):
+    for pass_index in range(config.num_iterations):
         order = rows[torch.randperm(len(rows), generator=generator).to(rows.device)]
         for minibatch in order.chunk(config.minibatches):
-            yield [m for m in minibatch.chunk(config.grad_accum) if len(m)]
+            yield pass_index, [m for m in minibatch.chunk(config.grad_accum) if len(m)]
 
 
 def _share(config: TrainConfig, mask: Tensor, micro: Tensor, minibatch: Tensor) -> float:
@@ -117,10 +118,11 @@ def policy_terms(config: TrainConfig, learner: Learner, batch: RolloutBatch, mic
                                        eps_low=config.eps_low, eps_high=config.eps_high,
                                        dual_clip=config.dual_clip, level=config.ratio_level,
                                        **agg)
+        stats["clip/total"] = stats["clip/low"] + stats["clip/high"]  # disjoint: A < 0, A > 0
     total = pg
     stats = {**stats, "loss/policy": pg.item(), "policy/entropy": masked_mean(ent, mask)}
     if ref_logp is not None and config.algo == "grpo":
-        kl_t = losses.kl(logp, ref_logp[micro], config.kl_kind)
+        kl_t = losses.kl(logp, ref_logp[micro], config.kl_estimator)
         kl_loss = losses.aggregate(kl_t, mask, **agg)
         total = total + config.beta * kl_loss
         stats |= {"loss/kl": config.beta * kl_loss.item(),
@@ -132,40 +134,63 @@ def policy_terms(config: TrainConfig, learner: Learner, batch: RolloutBatch, mic
     return total, stats
 
 
+CLIP_KEYS = ("clip/low", "clip/high", "clip/total")
+"""The clip fractions also logged over the passes after the first, as `reuse/clip_*`: on the
+first pass the ratio is 1 and nothing clips, so the average over all passes dilutes them."""
+
+
+def _minibatch_terms(config: TrainConfig, learner: Learner, batch: RolloutBatch,
+                     micro_batches: list[Tensor], advantages: Tensor, ref_logp: Tensor | None,
+                     old_values: Tensor | None, returns: Tensor | None) -> dict:
+    """Backward of one minibatch's loss, micro-batch by micro-batch; its stats, each micro-
+    batch's weighted by its share of the minibatch."""
+    acc, sums, mask = learner.accelerator, defaultdict(float), batch.completion_mask
+    minibatch = torch.cat(micro_batches)
+    for micro in micro_batches:
+        share = _share(config, mask, micro, minibatch)
+        with acc.autocast():
+            loss, stats = policy_terms(config, learner, batch, micro, advantages, ref_logp)
+            if learner.critic is not None:
+                values = token_values(learner.critic, batch, micro,
+                                      share_prompt=config.share_prompt)
+                v_loss, v_stats = losses.value_loss(
+                    values, old_values[micro], returns[micro], mask[micro],
+                    clip=config.value_clip, agg=config.agg, max_len=config.max_new_tokens)
+                stats |= {**v_stats, "loss/value": v_loss.item()}
+                loss = loss + v_loss  # separate networks: each gets its own gradient
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"non-finite loss ({loss.item()}) in the update")
+        stats["loss/total"] = loss.item()
+        acc.backward(loss * share)
+        for key, value in stats.items():
+            sums[key] += value * share
+    return sums
+
+
 def update(config: TrainConfig, learner: Learner, batch: RolloutBatch, rows: Tensor,
            advantages: Tensor, step_seed: int, *, ref_logp: Tensor | None = None,
            old_values: Tensor | None = None, returns: Tensor | None = None) -> dict:
-    """num_iterations x minibatches optimizer steps over `rows`; mean of their stats."""
-    acc, sums, steps = learner.accelerator, defaultdict(float), 0
-    mask = batch.completion_mask
-    for micro_batches in _micro_batches(config, rows, step_seed):
-        minibatch = torch.cat(micro_batches)
-        for micro in micro_batches:
-            share = _share(config, mask, micro, minibatch)
-            with acc.autocast():
-                loss, stats = policy_terms(config, learner, batch, micro, advantages, ref_logp)
-                if learner.critic is not None:
-                    values = token_values(learner.critic, batch, micro,
-                                          share_prompt=config.share_prompt)
-                    v_loss, v_stats = losses.value_loss(
-                        values, old_values[micro], returns[micro], mask[micro],
-                        clip=config.value_clip, agg=config.agg, max_len=config.max_new_tokens)
-                    stats |= {**v_stats, "loss/value": v_loss.item()}
-                    loss = loss + v_loss  # separate networks: each gets its own gradient
-            if not torch.isfinite(loss):
-                raise FloatingPointError(f"non-finite loss ({loss.item()}) in the update")
-            stats["loss/total"] = loss.item()
-            acc.backward(loss * share)
-            for key, value in stats.items():
-                sums[key] += value * share
-        sums["perf/grad_norm"] += _optimizer_step(learner, learner.policy.parameters(),
+    """num_iterations x minibatches optimizer steps over `rows`; mean of their stats, and
+    (num_iterations > 1) the mean of the clip fractions over passes >= 2 as `reuse/clip_*`."""
+    sums, reuse, steps, reuse_steps = defaultdict(float), defaultdict(float), 0, 0
+    for pass_index, micro_batches in _micro_batches(config, rows, step_seed):
+        stats = _minibatch_terms(config, learner, batch, micro_batches, advantages, ref_logp,
+                                 old_values, returns)
+        stats["perf/grad_norm"] = _optimizer_step(learner, learner.policy.parameters(),
                                                   learner.optimizer, learner.scheduler,
                                                   config.max_grad_norm)
         if learner.critic is not None:
             _optimizer_step(learner, learner.critic.parameters(), learner.critic_optimizer,
                             learner.critic_scheduler, config.max_grad_norm)
+        for key, value in stats.items():
+            sums[key] += value
         steps += 1
-    return {key: value / max(steps, 1) for key, value in sums.items()}
+        if pass_index > 0 and "clip/total" in stats:
+            for key in CLIP_KEYS:
+                reuse[key.replace("clip/", "reuse/clip_")] += stats[key]
+            reuse_steps += 1
+    out = {key: value / max(steps, 1) for key, value in sums.items()}
+    return out | {key: value / reuse_steps for key, value in reuse.items()}
 
 
 def _reference_logprobs(config: TrainConfig, learner: Learner, batch: RolloutBatch):
@@ -176,6 +201,16 @@ def _reference_logprobs(config: TrainConfig, learner: Learner, batch: RolloutBat
         logp, _ = token_logprobs(learner.reference, batch, temperature=config.temperature,
                                  share_prompt=config.share_prompt, forward=learner.passes.lm)
     return logp.clone()  # an ordinary tensor, which the loss may keep for its backward
+
+
+def kl_k1(batch: RolloutBatch, ref_logp: Tensor | None) -> dict:
+    """`policy/kl_k1`: mean over real tokens of k1 = logp_old - ref_logp (N, T), the sampling
+    log-probs against the reference before the update (Schulman's k1, unbiased); the same
+    quantity for GRPO and PPO whatever their kl_kind. {} without a reference."""
+    if ref_logp is None:
+        return {}
+    mask = batch.completion_mask
+    return {"policy/kl_k1": masked_mean(losses.kl(batch.old_logprobs, ref_logp, "k1"), mask)}
 
 
 def grpo_step(config: TrainConfig, learner: Learner, batch: RolloutBatch, rewards: Tensor,
@@ -191,6 +226,7 @@ def grpo_step(config: TrainConfig, learner: Learner, batch: RolloutBatch, reward
     if len(rows) == 0:  # every group had equal rewards: nothing to learn this step
         return StepOutput(advantages, stats)
     ref_logp = _reference_logprobs(config, learner, batch)
+    stats |= kl_k1(batch, ref_logp)
     stats |= update(config, learner, batch, rows, advantages, step_seed, ref_logp=ref_logp)
     return StepOutput(advantages, stats)
 
@@ -211,7 +247,7 @@ def ppo_step(config: TrainConfig, learner: Learner, batch: RolloutBatch, rewards
     token_rewards = losses.ppo_token_rewards(
         rewards, mask, logp=batch.old_logprobs if ref_logp is not None else None,
         ref_logp=ref_logp, beta=config.beta if ref_logp is not None else 0.0,
-        kind=config.kl_kind)
+        kind=config.kl_estimator)
     advantages, returns = adv.ppo_advantages(token_rewards, old_values, mask,
                                              gamma=config.gamma, lam=config.lam,
                                              whiten_advantages=config.whiten_advantages)
@@ -220,5 +256,6 @@ def ppo_step(config: TrainConfig, learner: Learner, batch: RolloutBatch, rewards
                    old_values=old_values, returns=returns)
     if ref_logp is not None:
         stats["policy/kl"] = masked_mean(losses.kl(batch.old_logprobs, ref_logp,
-                                                   config.kl_kind), mask)
+                                                   config.kl_estimator), mask)
+    stats |= kl_k1(batch, ref_logp)
     return StepOutput(advantages, stats, values=old_values, returns=returns)

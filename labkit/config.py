@@ -21,7 +21,7 @@ from typing import Literal
 from labkit import stops
 from labkit.advantages import ESTIMATORS, Scale
 from labkit.fields import base_types, bounded, check, choice, choices, docs
-from labkit.losses import AGG_MODES, KlKind, Level
+from labkit.losses import AGG_MODES, Level
 from labkit.reward_specs import REWARD_SPECS, spec_text
 
 
@@ -95,8 +95,10 @@ class TrainConfig:
     """token: PPO's per-token ratio; sequence: GSPO's length-normalised sequence ratio."""
     beta: float = bounded(0.0, ge=0)
     """KL coefficient: in the loss for GRPO, in the reward for PPO. 0 loads no reference."""
-    kl_kind: KlKind = "k3"
-    """KL estimator (k3 is DeepSeekMath's, unbiased and >= 0)."""
+    kl_kind: Literal["auto", "k1", "k2", "k3"] = "auto"
+    """KL estimator of labkit.losses.kl; auto picks per algorithm, as the papers do: k3 in
+    GRPO's loss (DeepSeekMath; unbiased and >= 0), k1 = logp - ref_logp in PPO's reward
+    (InstructGPT, Ouyang et al. 2022). An explicit k1, k2 or k3 wins (`kl_estimator`)."""
     entropy_coef: float = bounded(0.0, ge=0)
     """Entropy bonus: loss - entropy_coef * mean entropy."""
     dynamic_sampling: bool = False
@@ -173,6 +175,15 @@ class TrainConfig:
     each 'METRIC OP NUMBER [for COUNT]' with OP one of > >= < <= and METRIC a key of
     labkit.metrics.METRICS, e.g. 'adv/gav>0.45 for 5; policy/kl>0.5'. COUNT (default 1)
     consecutive records that log the metric must meet the condition. Blank: no rule."""
+    dead_steps: int = bounded(20, ge=0)
+    """K: a run is dead after K consecutive steps in which no group has reward variance (all
+    N rewards equal when group_size is 1) or nearly every completion hits max_new_tokens
+    (rollout/truncated_frac >= labkit.stops.DEAD_TRUNCATED); it is said, recorded in
+    dead_run.json, and stops the run unless stop_when_dead is False. K must outlast the dead
+    spells that recover (a few steps). 0 turns the detection off."""
+    stop_when_dead: bool = True
+    """End a dead run (see dead_steps) with a checkpoint and stopped.json, so a resume does not
+    continue it; False only says so and records it (experiments that count collapses)."""
 
     def __post_init__(self):
         """Every field is checked here, so a bad value fails before any model loads, with a
@@ -247,6 +258,14 @@ class TrainConfig:
     def rows(self) -> int:
         """N = B * G completions per step."""
         return self.batch_prompts * self.group_size
+
+    @property
+    def kl_estimator(self) -> str:
+        """The KL estimator a run uses: kl_kind, or for auto k1 (PPO's reward) or k3 (GRPO's
+        loss)."""
+        if self.kl_kind != "auto":
+            return self.kl_kind
+        return "k1" if self.algo == "ppo" else "k3"
 
     @property
     def optimizer_steps(self) -> int:

@@ -51,12 +51,24 @@ METRICS: dict[str, str] = {
     "clip/high":
         "fraction of unmasked tokens with ratio > 1 + eps_high and A > 0: the high clip is "
         "active, the gradient is cut",
-    "clip/total": "clip/low + clip/high: the token-level clip ratio (TLCR)",
+    "clip/total":
+        "clip/low + clip/high: the token-level clip ratio (TLCR); in training each clip/* is the "
+        "mean over the step's optimizer steps, all num_iterations passes",
+    "reuse/clip_low": "clip/low over the passes after the first (num_iterations >= 2 only)",
+    "reuse/clip_high": "clip/high over the passes after the first (num_iterations >= 2 only)",
+    "reuse/clip_total":
+        "clip/total over the passes after the first, where the ratio can differ from 1 (on the "
+        "first pass it is 1 and nothing clips); num_iterations >= 2 only",
     "clip/dual": "fraction of unmasked tokens with A < 0 whose loss the dual clip caps at -c * A",
     "ratio/mean": "mean importance ratio exp(logp - old_logp) over unmasked tokens",
     "ratio/max": "largest importance ratio exp(logp - old_logp) over unmasked tokens",
     "policy/kl":
-        "mean per-token KL estimate (k1, k2 or k3) to the reference model over unmasked tokens",
+        "mean per-token KL estimate (kl_kind: k3 for GRPO, k1 for PPO by default) to the "
+        "reference over unmasked tokens: GRPO's as in its loss, during the update; PPO's on the "
+        "sampling log-probs, as in its reward",
+    "policy/kl_k1":
+        "mean over unmasked tokens of k1 = logp_old - logp_ref, the sampling log-probs against "
+        "the reference before the update: the same quantity for GRPO and PPO (beta > 0 only)",
     "policy/entropy": "mean per-token entropy of the policy over unmasked tokens, in nats",
     "value/explained_var":
         "1 - Var(R - V) / Var(R) over unmasked tokens: 1 is a perfect critic, 0 no better than a "
@@ -289,7 +301,6 @@ def length_stats(mask, truncated=None) -> dict[str, float]:
     if truncated is not None:
         out |= _truncated_stats(truncated, m.shape[0])
     return out
-
 
 
 def explained_variance(values, returns, mask) -> float:

@@ -12,6 +12,9 @@ checkpoint and says why. The rules are one string, `TrainConfig.stop_rules`:
 
 e.g. `"adv/gav>0.45 for 5; policy/kl>0.5"`. A record without the metric (an evaluation
 metric between evaluations) neither counts nor breaks a streak; a NaN value breaks it.
+
+A dead run needs no rule: `DeadRunWatch` (on by default, `TrainConfig.dead_steps`) finds K
+consecutive steps without any learning signal and says why in one sentence (`Dead`).
 """
 
 from __future__ import annotations
@@ -117,13 +120,14 @@ def never_logged(rule: StopRule, config) -> str | None:
     mistake, not a safety net), or None when it may."""
     c, m = config, rule.metric
     needs = [
-        (m in ("policy/kl", "loss/kl"), c.beta > 0, "beta > 0"),
+        (m in ("policy/kl", "policy/kl_k1", "loss/kl"), c.beta > 0, "beta > 0"),
         (m == "loss/kl", c.algo == "grpo", "algo='grpo' (PPO puts the KL in the reward)"),
         (m.startswith("value/") or m == "loss/value", c.algo == "ppo", "algo='ppo'"),
         (m == "rollout/kept_frac", c.algo == "grpo", "algo='grpo'"),
         (m == "clip/dual", c.dual_clip is not None, "dual_clip"),
         (m == "loss/entropy", c.entropy_coef > 0, "entropy_coef > 0"),
         (m.startswith(("clip/", "ratio/")), not c.reinforce, "reinforce=False"),
+        (m.startswith("reuse/"), c.num_iterations >= 2, "num_iterations >= 2"),
         (m == "eval/cgc", c.cgc_prompts > 0 and c.group_size >= 2,
          "cgc_prompts > 0 and group_size >= 2"),
     ]
@@ -156,3 +160,106 @@ class StopRules:
             if fired is None and self.streaks[i] >= rule.count:
                 fired = Stop(rule, int(record.get("step", -1)), float(value))
         return fired
+
+
+# --- dead runs ------------------------------------------------------------------------------
+
+DEAD_TRUNCATED = 0.95
+"""rollout/truncated_frac at or above which a step counts as dead: nearly every completion
+ran to max_new_tokens without EOS (and, unscored, earned 0)."""
+DEAD_FILE = "dead_run.json"
+"""Written into the run directory when a run is found dead: the spell, its cause, the sentence."""
+
+
+@dataclass(frozen=True)
+class Dead:
+    """A dead spell of `steps` consecutive steps, `first`..`step`, found at `step`."""
+
+    step: int
+    first: int
+    truncated: bool
+    """True: nearly every completion was truncated; False: no group had reward variance."""
+    reward_mean: float
+
+    def message(self) -> str:
+        """One plain sentence: what was seen, the likely cause, the levers."""
+        when = f"step {self.step}" if self.first == self.step else \
+            f"steps {self.first}-{self.step}"
+        levers = "try a lower lr, beta > 0 (a KL to the reference), or a larger max_new_tokens"
+        if self.truncated:
+            return (f"dead run: in {when} nearly every completion hit max_new_tokens without "
+                    f"EOS; the policy has likely lost its EOS token after too large an update, "
+                    f"or max_new_tokens is too small for its answers; {levers}")
+        if self.reward_mean == 0:
+            return (f"dead run: in {when} every completion scored 0, so "
+                    f"no group had reward variance and every group-relative advantage was 0; "
+                    f"the policy has likely collapsed, or the task is out of its reach; "
+                    f"{levers}")
+        return (f"dead run: in {when} the completions of every prompt scored alike (reward "
+                f"mean {self.reward_mean:.2f}), so every group-relative advantage was 0; the "
+                f"policy has likely collapsed to one answer per prompt, or solved the task; "
+                f"{levers} (a harder task, if it is solved)")
+
+    def to_dict(self) -> dict:
+        return {"step": self.step, "first": self.first, "truncated": self.truncated,
+                "reward_mean": self.reward_mean, "message": self.message()}
+
+
+class DeadRunWatch:
+    """Counts consecutive dead steps over a run's records, one `update` per record.
+
+    A step is dead when no group has reward variance (`rollout/frac_zero_std` = 1; with
+    group_size 1, all N rewards equal) or `rollout/truncated_frac` >= DEAD_TRUNCATED. Records
+    without rollout figures (the evaluation before step 1) neither count nor break a spell.
+    """
+
+    def __init__(self, steps: int, group_size: int):
+        self.steps, self.group_size = steps, group_size
+        self.length, self.first, self.truncated = 0, -1, 0
+
+    def update(self, record: dict) -> Dead | None:
+        """A Dead when this record makes a spell exactly `steps` long, else None (0: never)."""
+        if not self.steps or "rollout/reward_mean" not in record:
+            return None
+        if not self._dead(record):
+            self.length, self.truncated = 0, 0
+            return None
+        if self.length == 0:
+            self.first = int(record.get("step", -1))
+        self.length += 1
+        self.truncated += record.get("rollout/truncated_frac", 0.0) >= DEAD_TRUNCATED
+        if self.length != self.steps:
+            return None
+        return Dead(int(record.get("step", -1)), self.first, 2 * self.truncated > self.length,
+                    float(record["rollout/reward_mean"]))
+
+    def _dead(self, record: dict) -> bool:
+        if record.get("rollout/truncated_frac", 0.0) >= DEAD_TRUNCATED:
+            return True
+        if self.group_size >= 2:
+            return record.get("rollout/frac_zero_std", 0.0) >= 1.0
+        return record.get("rollout/reward_std", 1.0) == 0.0
+
+
+class RunWatch:
+    """A run's stop rules and dead-run watch, fed its records one `update` at a time."""
+
+    def __init__(self, config):
+        self.rules = StopRules(parse(config.stop_rules))
+        self.watch = DeadRunWatch(config.dead_steps, config.group_size)
+        self.stop_when_dead = config.stop_when_dead
+        self.dead: Dead | None = None
+        """The last dead spell found."""
+        self.found: Dead | None = None
+        """The dead spell the last record completed, if it completed one."""
+
+    def update(self, record: dict) -> Stop | Dead | None:
+        """What ends the run at this record: a rule that fired, else (stop_when_dead) a dead
+        spell that this record completed, else None."""
+        stop = self.rules.update(record)
+        self.found = self.watch.update(record)
+        if self.found is not None:
+            self.dead = self.found
+            if stop is None and self.stop_when_dead:
+                return self.found
+        return stop

@@ -224,12 +224,15 @@ class RunResult:
     wall_s: float
     history: list[dict] = field(default_factory=list)
     stopped: str | None = None
-    """Why a stop rule ended the run before `config.steps` (None: it ran every step)."""
+    """Why a stop rule or a dead run ended the run before `config.steps` (None: it ran every
+    step)."""
+    dead: dict | None = None
+    """The last dead spell found (`stops.Dead.to_dict()`, also in dead_run.json), or None."""
 
     def summary(self) -> dict:
         return {"algo": self.config.algo, "steps": self.steps, "accuracy_before": self.accuracy_before,
                 "accuracy_after": self.accuracy_after, "wall_s": round(self.wall_s, 2),
-                "run_dir": str(self.run_dir), "stopped": self.stopped}
+                "run_dir": str(self.run_dir), "stopped": self.stopped, "dead_run": self.dead}
 
 
 def train(config: TrainConfig | None = None, *, resume: str | Path | None = None,
@@ -237,8 +240,9 @@ def train(config: TrainConfig | None = None, *, resume: str | Path | None = None
     """Run (or resume) a training run and return where it wrote and how it went.
 
     The run holds its directory's lock (`rundir.RunLock`) until it returns, so a second run or
-    a resume of this one cannot write there meanwhile. A stop rule (`config.stop_rules`)
-    ends it early with a checkpoint, `stopped.json` and `RunResult.stopped`; a non-finite
+    a resume of this one cannot write there meanwhile. A stop rule (`config.stop_rules`) or a
+    dead run (`config.dead_steps`, `stop_when_dead`) ends it early with a checkpoint,
+    `stopped.json` and `RunResult.stopped`; a non-finite
     loss, reward or advantage raises RunAborted after checkpointing the last whole step.
     """
     start_time = time.perf_counter()
@@ -259,7 +263,7 @@ def train(config: TrainConfig | None = None, *, resume: str | Path | None = None
         if resume is None:
             rundir.write_config(run_dir, config.to_dict())
         elif (run_dir / STOPPED).is_file():
-            raise ValueError(f"{run_dir} was ended by a stop rule ({_stop_message(run_dir)}): "
+            raise ValueError(f"{run_dir} was stopped ({_stop_message(run_dir)}): "
                              "it is finished; start a new run to train further")
         return _train(config, run_dir, resume is not None, callbacks, start_time)
     finally:
@@ -275,19 +279,20 @@ def _stop_message(run_dir: Path) -> str:
 
 class _RunLog:
     """metrics.jsonl as a run writes it: every record so far (those of the run it resumes
-    too), the stop rules' verdict on them, and the held-out accuracies among them."""
+    too), the stop rules' and the dead-run watch's verdicts on them, and the held-out
+    accuracies among them."""
 
     def __init__(self, config: TrainConfig, path: Path):
         self.records = rundir.read_metrics(path)
         self.accuracy = [r["eval/accuracy"] for r in self.records if "eval/accuracy" in r]
-        self.rules = stops.StopRules(stops.parse(config.stop_rules))
-        self.stopped: stops.Stop | None = None
+        self.watch = stops.RunWatch(config)
+        self.stopped: stops.Stop | stops.Dead | None = None
         for record in self.records:  # a resumed run follows the same streaks as an uninterrupted one
             self.judge(record)
         self.writer = rundir.MetricsWriter(path)
 
-    def judge(self, record: dict) -> stops.Stop | None:
-        self.stopped = self.rules.update(record)
+    def judge(self, record: dict) -> stops.Stop | stops.Dead | None:
+        self.stopped = self.watch.update(record)
         return self.stopped
 
     def write(self, record: dict) -> None:
@@ -316,7 +321,8 @@ def _train(config: TrainConfig, run_dir: Path, resuming: bool,
     _finish(run_dir, trainer.learner, trainer.policy, trainer.tokenizer, last, stopped)
     return RunResult(run_dir, config, last, accuracy[0] if accuracy else float("nan"),
                      accuracy[-1] if accuracy else float("nan"), time.perf_counter() - start_time,
-                     log.records, stopped=stopped.message() if stopped is not None else None)
+                     log.records, stopped=stopped.message() if stopped is not None else None,
+                     dead=log.watch.dead.to_dict() if log.watch.dead is not None else None)
 
 
 def _run_steps(trainer: Trainer, log: _RunLog, first: int, run_dir: Path,
@@ -339,6 +345,8 @@ def _run_steps(trainer: Trainer, log: _RunLog, first: int, run_dir: Path,
             if log.judge(record) is not None and not evaluated:  # a stopped run ends evaluated too
                 record |= trainer.evaluate()
             log.write(record)
+            if log.watch.found is not None:
+                _say_dead(run_dir, bar, log.watch.found, stopping=log.stopped is log.watch.found)
             for callback in callbacks:
                 callback(StepReport(step, record, result.rewards, result.advantages,
                                     result.batch, config))
@@ -355,6 +363,16 @@ def _run_steps(trainer: Trainer, log: _RunLog, first: int, run_dir: Path,
         bar.close()
 
 
+def _say_dead(run_dir: Path, bar, dead: stops.Dead, stopping: bool) -> None:
+    """Record a dead spell in the run directory and show it on the progress bar; a run that
+    goes on says it on stderr now (a stopping one does in `_finish`, once)."""
+    rundir.write_json(run_dir / stops.DEAD_FILE, dead.to_dict())
+    bar.set_description(f"dead since step {dead.first}")
+    if not stopping:
+        tqdm.write(f"{run_dir}: {dead.message()} (stop_when_dead=False: the run goes on)",
+                   file=sys.stderr)
+
+
 def _resume_point(learner: Learner, run_dir: Path, metrics_path: Path) -> int:
     """Restore the latest checkpoint and cut metrics.jsonl back to it; the first step to run.
     The records after the checkpoint (and a torn last line) go: those steps run again."""
@@ -369,7 +387,7 @@ def _resume_point(learner: Learner, run_dir: Path, metrics_path: Path) -> int:
 
 
 def _finish(run_dir: Path, learner: Learner, policy, tokenizer, last: int,
-            stopped: stops.Stop | None) -> None:
+            stopped: stops.Stop | stops.Dead | None) -> None:
     """The last checkpoint, then (a stop rule fired) stopped.json and a line on stderr, then
     the final model. The checkpoint comes before stopped.json: a run killed in between is
     resumed, replays its records, and stops again at the same step."""

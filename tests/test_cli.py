@@ -53,7 +53,7 @@ def test_train_help_lists_each_registry_and_literal_choice(capsys):
     text = " ".join(capsys.readouterr().out.split())
     for registry in (advantages.ESTIMATORS, losses.AGG_MODES, rewards.REWARDS):
         assert all(f"{name}:" in text for name in registry), registry
-    assert "Choices: grpo, ppo." in text and "Choices: k1, k2, k3." in text
+    assert "Choices: grpo, ppo." in text and "Choices: auto, k1, k2, k3." in text
     assert text.count("package.module:function") >= 3
 
 
@@ -89,3 +89,16 @@ def test_train_help_shows_the_reward_grammar(capsys):
     for words in ("shaped(lam=0.3)", "noisy(p=0.2)", "correctness+0.3*format", "strict:",
                   "package.module:function, called with the keywords prompts, completions"):
         assert words in text, words
+
+def test_train_says_a_dead_run_in_its_last_json_line(tmp_path):
+    """One-token completions never reach EOS: every step is dead, and with --dead-steps 2 the
+    run stops at step 2 and its last JSON line says why."""
+    done = run("train", "--steps", "5", "--max-new-tokens", "1", "--dead-steps", "2",
+               "--batch-prompts", "2", "--group-size", "2", "--eval-n", "4", "--eval-samples",
+               "0", "--cgc-prompts", "0", "--progress", "false", "--run-dir", str(tmp_path / "r"))
+    assert done.returncode == 0, done.stderr
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    dead = summary["dead_run"]
+    assert summary["steps"] == 2 and (dead["first"], dead["step"]) == (1, 2) and dead["truncated"]
+    assert summary["stopped"] == dead["message"] and dead["message"] in done.stderr
+    assert json.loads((tmp_path / "r" / "dead_run.json").read_text()) == dead

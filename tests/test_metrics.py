@@ -442,3 +442,77 @@ def test_properties_for_any_finite_batch(x):
     assert 0 <= M.cgc(x["rewards"], x["group_size"]) < math.inf
     if x["group_size"] >= 2:
         assert M.gav(x["advantages"], x["group_size"], mask=x["mask"], unbiased=True) >= 0
+
+
+# ------------------------------------------- what adv/gav reduces to, per estimator
+
+def _binary_rewards(b, g, seed, p=0.4):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.rand(b * g, generator=gen) < p).float()  # (N,)
+
+
+def _frac_zero_std(r, g):
+    return mean([float(max(grp) == min(grp)) for grp in groups(r, g)])
+
+
+@pytest.mark.parametrize("g", [2, 4, 8])
+def test_gav_of_grpo_counts_the_mixed_groups(g):
+    """grpo (unbiased std, the default): each mixed group contributes sqrt((G-1)/G) up to eps,
+    every equal group 0; with the population std, 1."""
+    from labkit.advantages import grpo
+
+    r = _binary_rewards(64, g, seed=g)
+    live = 1 - _frac_zero_std(r.tolist(), g)
+    assert 0 < live < 1  # both kinds of group are present, so the test can tell them apart
+    z = grpo(r, g, scale="group", unbiased=True)
+    assert M.gav(z, g) == pytest.approx(live * math.sqrt((g - 1) / g), rel=1e-3)
+    assert M.gav(grpo(r, g, scale="group", unbiased=False), g) == pytest.approx(live, rel=1e-3)
+
+
+@pytest.mark.parametrize("binary", [True, False])
+def test_gav_of_dr_grpo_and_rloo_is_the_group_reward_std(binary):
+    from labkit.advantages import dr_grpo, rloo
+
+    g = 6
+    r = _binary_rewards(32, g, seed=1) if binary else \
+        torch.randn(32 * g, generator=torch.Generator().manual_seed(2)) * 3
+    spread = mean([std(grp) for grp in groups(r.tolist(), g)])  # rollout/group_reward_std
+    assert spread > 0
+    assert M.reward_stats(r, g)["rollout/group_reward_std"] == pytest.approx(spread, rel=1e-5)
+    assert M.gav(dr_grpo(r, g), g) == pytest.approx(spread, rel=1e-5)
+    assert M.gav(rloo(r, g), g) == pytest.approx(g / (g - 1) * spread, rel=1e-5)
+
+
+def _plain_gae(rewards, values, mask, gamma, lam):
+    """GAE by a loop over each row's real tokens, V = 0 after the last one."""
+    out = []
+    for r_row, v_row, m_row in zip(rewards, values, mask):
+        real = [t for t, m in enumerate(m_row) if m]
+        a_row, next_v, next_a = [0.0] * len(m_row), 0.0, 0.0
+        for t in reversed(real):
+            next_a = r_row[t] + gamma * next_v - v_row[t] + gamma * lam * next_a
+            a_row[t], next_v = next_a, v_row[t]
+        out.append(a_row)
+    return out
+
+
+def test_gav_of_ppo_is_the_gav_of_row_means_of_whitened_gae():
+    """PPO: whitened GAE over the batch's tokens, each row reduced to its tokens' mean."""
+    from labkit.advantages import ppo_advantages
+    from labkit.losses import ppo_token_rewards
+
+    g, n, t_len = 4, 16, 7
+    gen = torch.Generator().manual_seed(5)
+    r = _binary_rewards(n // g, g, seed=3)
+    values = torch.randn(n, t_len, generator=gen) * 0.3
+    lengths = torch.randint(1, t_len + 1, (n,), generator=gen)
+    mask = (torch.arange(t_len)[None] < lengths[:, None]).float()  # (N, T)
+    token_rewards = ppo_token_rewards(r, mask)
+    adv, _ = ppo_advantages(token_rewards, values, mask, gamma=1.0, lam=0.95)
+    a = _plain_gae(token_rewards.tolist(), values.tolist(), mask.tolist(), 1.0, 0.95)
+    flat = selected(a, mask.tolist())
+    mu, sd = mean(flat), std(flat, ddof=1)
+    whitened = [[(x - mu) / (sd + 1e-8) for x in row] for row in a]
+    want = ref_gav(row_means(whitened, mask.tolist()), g)
+    assert M.gav(adv, g, mask=mask) == pytest.approx(want, rel=1e-4)
+    assert std(selected(whitened, mask.tolist())) == pytest.approx(1, abs=0.05)  # whitened

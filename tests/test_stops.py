@@ -8,12 +8,13 @@ import pytest
 
 from labkit.config import TrainConfig
 from labkit.rundir import latest_checkpoint, load_checkpoint, read_metrics
-from labkit.stops import StopRule, StopRules, parse
+from labkit.stops import DEAD_TRUNCATED, DeadRunWatch, StopRule, StopRules, parse
 from labkit.trainer import STOPPED, train
 
 # the trainer's smoke settings, with evaluation cut to the minimum: these runs are about steps
 FAST = dict(batch_prompts=4, group_size=4, max_new_tokens=12, eval_every=1000, eval_n=4,
             eval_samples=0, cgc_prompts=0, progress=False, lr=5e-4)
+CLIPPING = dict(lr=1e-2, warmup_steps=0)  # steps large enough that a second pass clips
 
 
 # --- grammar ---------------------------------------------------------------------------------
@@ -141,3 +142,92 @@ def test_a_resumed_run_keeps_its_streaks(tmp_path):
     resumed = train(resume=tmp_path / "cut")
     assert resumed.steps == 3 and "step 3" in resumed.stopped
     assert [r["step"] for r in read_metrics(tmp_path / "cut" / "metrics.jsonl")] == [0, 1, 2, 3]
+
+
+# --- clip rules ------------------------------------------------------------------------------
+
+def test_clip_rules_need_a_clipped_surrogate_and_reuse_rules_a_reused_batch():
+    with pytest.raises(ValueError, match="num_iterations >= 2"):
+        TrainConfig(stop_rules="reuse/clip_total>0.3")
+    with pytest.raises(ValueError, match="reinforce=False"):
+        TrainConfig(reinforce=True, stop_rules="clip/total>0.3")
+    with pytest.raises(ValueError, match="beta > 0"):
+        TrainConfig(stop_rules="policy/kl_k1>0.3")
+    TrainConfig(num_iterations=2, beta=0.1, stop_rules="reuse/clip_total>0.3; policy/kl_k1>1")
+
+
+def test_a_clip_total_rule_fires_when_batches_are_reused(tmp_path):
+    """With two passes over each batch the second one clips; TLCR is logged, so a rule on it
+    can end the run. The first pass is on-policy (ratio 1, nothing clips), so with one
+    minibatch the mean over both passes is half the second pass's fraction."""
+    result = train(TrainConfig(run_dir=str(tmp_path / "run"), steps=6, num_iterations=2,
+                               stop_rules="clip/total>0.01", **{**FAST, **CLIPPING}))
+    records = result.history[1:]
+    assert result.steps < 6 and "clip/total>0.01" in result.stopped
+    assert records[-1]["clip/total"] > 0.01 and all(r["clip/total"] <= 0.01 for r in records[:-1])
+    for r in records:
+        assert r["clip/total"] == pytest.approx(r["clip/low"] + r["clip/high"], abs=1e-12)
+        assert r["clip/total"] == pytest.approx(r["reuse/clip_total"] / 2, abs=1e-9)
+        assert r["reuse/clip_total"] == pytest.approx(r["reuse/clip_low"] + r["reuse/clip_high"])
+
+
+def test_one_pass_logs_no_reuse_fractions_and_clips_nothing(tmp_path):
+    result = train(TrainConfig(run_dir=str(tmp_path / "run"), steps=2, **{**FAST, **CLIPPING}))
+    for r in result.history[1:]:
+        assert r["clip/total"] == 0.0 and not any(k.startswith("reuse/") for k in r)
+
+
+# --- dead runs -------------------------------------------------------------------------------
+
+def _rollout(step, zero_std=1.0, truncated=0.0, reward=0.0, reward_std=0.0):
+    return {"step": step, "rollout/reward_mean": reward, "rollout/frac_zero_std": zero_std,
+            "rollout/truncated_frac": truncated, "rollout/reward_std": reward_std}
+
+
+def test_a_dead_run_is_found_on_the_kth_consecutive_dead_step_once():
+    watch = DeadRunWatch(3, group_size=4)
+    records = [_rollout(1), _rollout(2), _rollout(3, zero_std=0.75),  # a spell of 2, broken
+               _rollout(4), {"step": 5, "eval/accuracy": 0.0}, _rollout(5)]
+    assert [watch.update(r) for r in records] == [None] * 6
+    dead = watch.update(_rollout(6))
+    assert (dead.first, dead.step, dead.truncated, dead.reward_mean) == (4, 6, False, 0.0)
+    assert [watch.update(_rollout(s)) for s in (7, 8, 9)] == [None] * 3  # said once per spell
+    assert watch.update(_rollout(10, zero_std=0.5)) is None
+    assert [watch.update(_rollout(s)) for s in (11, 12)] == [None] * 2
+    assert watch.update(_rollout(13)).first == 11  # a new spell is said again
+
+
+def test_truncation_alone_makes_a_step_dead():
+    watch = DeadRunWatch(2, group_size=4)
+    assert watch.update(_rollout(1, zero_std=0.5, truncated=1.0)) is None
+    dead = watch.update(_rollout(2, zero_std=0.5, truncated=DEAD_TRUNCATED))
+    assert dead.truncated and dead.step == 2
+    below = DeadRunWatch(2, group_size=4)
+    for step in (1, 2, 3):
+        assert below.update(_rollout(step, zero_std=0.5, truncated=0.9)) is None
+
+
+def test_groups_of_one_are_dead_only_when_the_whole_batch_scores_alike():
+    """With G = 1 every group has zero spread: the batch's reward std decides."""
+    watch = DeadRunWatch(2, group_size=1)
+    assert [watch.update(_rollout(s, reward_std=0.4)) for s in (1, 2, 3)] == [None] * 3
+    assert watch.update(_rollout(4)) is None and watch.update(_rollout(5)).first == 4
+
+
+def test_zero_steps_turns_the_watch_off():
+    watch = DeadRunWatch(0, group_size=4)
+    assert all(watch.update(_rollout(s, truncated=1.0)) is None for s in range(1, 50))
+
+
+@pytest.mark.parametrize("record, cause", [
+    (dict(truncated=1.0), "lost its EOS"),
+    (dict(truncated=0.0), "collapsed"),
+    (dict(truncated=0.0, reward=1.0), "solved the task"),
+])
+def test_a_dead_run_is_one_sentence_with_its_cause_and_the_levers(record, cause):
+    watch = DeadRunWatch(1, group_size=4)
+    text = watch.update(_rollout(7, **record)).message()
+    assert "\n" not in text and ". " not in text, text  # one sentence
+    assert text.startswith("dead run") and "step" in text and cause in text
+    for lever in ("lower lr", "beta > 0", "larger max_new_tokens"):
+        assert lever in text, (lever, text)

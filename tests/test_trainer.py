@@ -291,3 +291,112 @@ def test_train_draws_each_step_with_step_seed(tmp_path, monkeypatch):
     monkeypatch.setattr(labkit.trainer, "step_seed", lambda config, step: 7)
     first, second = prompts_of_each_step("constant")
     assert torch.equal(first, second)
+
+
+# --- KL: which estimator by default, and one comparable key -------------------------------
+
+def test_kl_kind_defaults_per_algorithm_and_an_explicit_choice_wins():
+    from typing import get_args, get_type_hints
+
+    from labkit.losses import KL_KINDS
+
+    assert TrainConfig().kl_estimator == "k3" and TrainConfig(algo="ppo").kl_estimator == "k1"
+    for kind in KL_KINDS:
+        assert TrainConfig(kl_kind=kind).kl_estimator == kind
+        assert TrainConfig(algo="ppo", kl_kind=kind).kl_estimator == kind
+    assert set(get_args(get_type_hints(TrainConfig)["kl_kind"])) == {"auto", *KL_KINDS}
+
+
+@pytest.mark.parametrize("algo", ["grpo", "ppo"])
+def test_kl_k1_is_the_same_quantity_for_both_algorithms(algo):
+    """policy/kl_k1 = mean over real tokens of logp_old - logp_ref, recomputed here from the
+    step's batch and the reference, once the policy has moved away from it."""
+    from labkit.scoring import token_logprobs
+    from labkit.trainer import Trainer
+
+    config = TrainConfig(algo=algo, beta=0.1, **dict(STEP, lr=2e-2, warmup_steps=0))
+    trainer = Trainer(config)
+    results = [trainer.step(s) for s in (1, 2, 3, 4)]  # steps without mixed groups move nothing
+    result = results[-1]
+    batch = result.batch
+    with torch.no_grad():
+        ref, _ = token_logprobs(trainer.learner.reference, batch, temperature=config.temperature)
+    mask = batch.completion_mask.bool()
+    want = (batch.old_logprobs - ref)[mask].double().mean().item()
+    assert abs(want) > 1e-3  # the policy has moved: the test can tell k1 from 0
+    assert result.metrics["policy/kl_k1"] == pytest.approx(want, abs=1e-5)
+    if algo == "ppo":  # k1 in the reward by default, on the same tokens
+        assert result.metrics["policy/kl"] == result.metrics["policy/kl_k1"]
+
+
+def test_kl_k1_needs_a_reference():
+    from labkit.trainer import Trainer
+
+    result = Trainer(TrainConfig(**STEP)).step(1)
+    assert "policy/kl_k1" not in result.metrics and "policy/kl" not in result.metrics
+
+
+# --- dead runs: a run that cannot learn says so ---------------------------------------------
+
+DEAD = dict(SMOKE, max_new_tokens=1, eval_n=4, eval_samples=0, cgc_prompts=0)
+"""One token per completion: never EOS, so every completion is truncated and scores 0."""
+
+
+def test_a_run_that_cannot_learn_says_so_records_it_and_stops(tmp_path, capsys):
+    from labkit.lab import flat_summary, summary_rows
+    from labkit.stops import DEAD_FILE
+    from labkit.trainer import STOPPED
+
+    run = tmp_path / "run"
+    result = train(TrainConfig(run_dir=str(run), **dict(DEAD, steps=8, dead_steps=3)))
+    assert result.steps == 3 and [r["step"] for r in result.history] == [0, 1, 2, 3]
+    assert all(r["rollout/truncated_frac"] == 1.0 and r["rollout/reward_mean"] == 0
+               for r in result.history[1:])
+    dead = json.loads((run / DEAD_FILE).read_text())
+    assert (dead["first"], dead["step"], dead["truncated"]) == (1, 3, True)
+    assert result.summary()["dead_run"] == dead and result.stopped == dead["message"]
+    assert json.loads((run / STOPPED).read_text())["message"] == dead["message"]
+    err = capsys.readouterr().err
+    assert err.count(dead["message"]) == 1  # said once, where the user looks
+    rows = summary_rows({"grpo": result})
+    assert rows[0]["dead_run"] == 1 and rows[0]["dead_step"] == 3
+    assert flat_summary(rows)["grpo/dead_run"] == 1
+    with pytest.raises(ValueError, match="dead run.*finished"):
+        train(resume=run)  # stopped: a resume does not continue it
+
+
+def test_a_dead_run_goes_on_when_asked_and_is_still_recorded(tmp_path, capsys):
+    from labkit.lab import summary_rows
+    from labkit.stops import DEAD_FILE
+
+    result = train(TrainConfig(run_dir=str(tmp_path / "run"),
+                               **dict(DEAD, steps=4, dead_steps=2, stop_when_dead=False)))
+    assert result.steps == 4 and result.stopped is None
+    assert result.summary()["dead_run"]["step"] == 2
+    assert json.loads((tmp_path / "run" / DEAD_FILE).read_text())["first"] == 1
+    assert "the run goes on" in capsys.readouterr().err
+    assert summary_rows({"ppo": result})[0]["dead_run"] == 1
+
+
+_REWARD_CALLS = []
+
+
+def zero_twice_then_mixed(completions, **kwargs):
+    """A reward (TRL signature) that is 0 for every completion on its first two calls, then
+    0, 1, 0, 1, ... so that every group of G >= 2 is mixed."""
+    _REWARD_CALLS.append(len(completions))
+    if len(_REWARD_CALLS) <= 2:
+        return [0.0] * len(completions)
+    return [float(i % 2) for i in range(len(completions))]
+
+
+def test_a_dead_spell_shorter_than_k_does_not_stop_the_run(tmp_path):
+    settings = dict(SMOKE, eval_n=4, eval_samples=0, cgc_prompts=0, score_truncated=True,
+                    reward=f"{__name__}:zero_twice_then_mixed", steps=5)
+    _REWARD_CALLS.clear()
+    result = train(TrainConfig(run_dir=str(tmp_path / "k3"), dead_steps=3, **settings))
+    zero_std = [r["rollout/frac_zero_std"] for r in result.history[1:]]
+    assert zero_std[:2] == [1.0, 1.0] and all(z < 1 for z in zero_std[2:])
+    assert result.steps == 5 and result.stopped is None and result.summary()["dead_run"] is None
+    _REWARD_CALLS.clear()  # the same spell is a dead run when K is 2
+    assert train(TrainConfig(run_dir=str(tmp_path / "k2"), dead_steps=2, **settings)).steps == 2

@@ -49,8 +49,9 @@ def state_mb(config: TrainConfig) -> float:
 
 
 def summary_rows(results: Mapping[str, RunResult]) -> list[dict]:
-    """One row per run: accuracy before/after, final reward, cost, and the mean over steps
-    of KL, entropy, clip fractions, GAV and the advantage variance (missing keys left out)."""
+    """One row per run: accuracy before/after, final reward, cost, the mean over steps of
+    KL, entropy, clip fractions, GAV and the advantage variance (missing keys left out), and
+    whether the run was found dead (`dead_run` 1 or 0; `dead_step`, the step it was found)."""
     rows = []
     for name, result in results.items():
         h, c = result.history, result.config
@@ -62,11 +63,15 @@ def summary_rows(results: Mapping[str, RunResult]) -> list[dict]:
                "final_reward": _mean(tail), "step_s": statistics.median(_values(h, "perf/step_s")),
                "mem_mb": max(_values(h, "perf/mem_mb")), "state_mb": state_mb(c),
                "wall_s": result.wall_s}
-        means = {"kl": "policy/kl", "entropy": "policy/entropy", "clip_low": "clip/low",
-                 "clip_high": "clip/high", "gav": "adv/gav",
+        means = {"kl": "policy/kl", "kl_k1": "policy/kl_k1", "entropy": "policy/entropy",
+                 "clip_low": "clip/low", "clip_high": "clip/high", "clip_total": "clip/total",
+                 "reuse_clip_total": "reuse/clip_total", "gav": "adv/gav",
                  "frac_zero_std": "rollout/frac_zero_std"}
         row |= {k: _mean(_values(h, key)) for k, key in means.items()}
         row["adv_var"] = _mean([s * s for s in _values(h, "adv/std")])
+        row["dead_run"] = int(result.dead is not None)
+        if result.dead is not None:
+            row["dead_step"] = result.dead["step"]
         rows.append({k: v for k, v in row.items() if v is not None})
     return rows
 
