@@ -8,13 +8,18 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from tqdm.auto import tqdm
 
+from labkit.metrics import cgc
 from labkit.rewards import correctness
 from labkit.rollout import rollout
-from labkit.tasks import Problem, format_prompt
+from labkit.tasks import EVAL_SEED, Problem, ProblemSource, format_prompt
+
+if TYPE_CHECKING:
+    from labkit.config import TrainConfig
 
 
 @torch.no_grad()
@@ -127,3 +132,18 @@ def complete(model, tokenizer, prompts: Sequence[str], *, group_size: int = 1,
                        group_size=group_size, temperature=temperature,
                        max_new_tokens=max_new_tokens, seed=seed + c).texts
     return out
+
+
+def run_eval(config: TrainConfig, policy, tokenizer, source: ProblemSource) -> dict:
+    """Held-out greedy accuracy, pass@1 / pass@k, mean length, and CGC on fixed prompts."""
+    figures = evaluate(policy, tokenizer, source.eval, samples=config.eval_samples,
+                       temperature=config.temperature, max_new_tokens=config.max_new_tokens,
+                       seed=EVAL_SEED)
+    if source.cgc and config.group_size >= 2:
+        texts = complete(policy, tokenizer, [p.prompt for p in source.cgc],
+                         group_size=config.group_size, temperature=config.temperature,
+                         max_new_tokens=config.max_new_tokens, seed=EVAL_SEED + 1)
+        rewards = correctness(texts, answer=[p.answer for p in source.cgc
+                                             for _ in range(config.group_size)])
+        figures["eval/cgc"] = cgc(torch.tensor(rewards), config.group_size)
+    return figures

@@ -14,10 +14,13 @@ import random
 import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from labkit.answers import gsm8k_ground_truth
 from labkit.rewards import gsm8k_steps
+
+if TYPE_CHECKING:
+    from labkit.config import TrainConfig
 
 Split = Literal["train", "test"]
 SPLITS = ("train", "test")
@@ -209,3 +212,33 @@ def format_prompt(prompt: str, tokenizer=None) -> str:
         return tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
                                              tokenize=False, add_generation_prompt=True)
     return prompt
+
+
+EVAL_SEED = 1234
+"""Seed of the held-out problems: the same eval set for every run seed, so runs compare."""
+
+
+class ProblemSource:
+    """Training prompts for each step, and the fixed held-out problems."""
+
+    def __init__(self, config: TrainConfig):
+        self.config = config
+        if config.task == "arithmetic":
+            self.task = ArithmeticTask(digits=config.digits, operands=config.operands,
+                                       ops=config.ops)
+            self.eval = self.task.sample(config.eval_n, "test", seed=EVAL_SEED, distinct=True)
+        else:
+            everything = load_gsm8k(config.gsm8k_path)
+            self.train = [p for p in everything if split_bucket(p.prompt) >= 20]
+            held_out = [p for p in everything if split_bucket(p.prompt) < 20]
+            if not self.train or not held_out:
+                raise ValueError(f"{config.gsm8k_path} is too small to split into train and "
+                                 "held-out problems")
+            self.eval = held_out[:config.eval_n]
+        self.cgc = self.eval[:config.cgc_prompts]
+
+    def draw(self, step_seed: int) -> list[Problem]:
+        B = self.config.batch_prompts
+        if self.config.task == "arithmetic":
+            return self.task.sample(B, "train", seed=step_seed)
+        return random.Random(step_seed).choices(self.train, k=B)

@@ -30,15 +30,13 @@ from labkit import reward_specs, rundir, stops
 from labkit.advantages import NonFiniteError
 from labkit.algos import Learner, StepOutput, grpo_step, ppo_step
 from labkit.config import TrainConfig, preflight
-from labkit.evaluation import complete, evaluate
+from labkit.evaluation import run_eval
 from labkit.learner import (build_learner, learner_state, make_accelerator, restore_learner,
                             update_count)
-from labkit.rewards import RewardError, correctness
+from labkit.rewards import RewardError
 from labkit.rollout import RolloutBatch, rollout
-from labkit.tasks import ArithmeticTask, Problem, load_gsm8k, split_bucket
+from labkit.tasks import Problem, ProblemSource
 
-EVAL_SEED = 1234
-"""Seed of the held-out problems: the same eval set for every run seed, so runs compare."""
 STOPPED = "stopped.json"
 """Written into the run directory when a stop rule ends the run: the rule, step and value."""
 
@@ -63,32 +61,6 @@ class StepResult:
     metrics: dict
     """The flat metrics of the step (`labkit.metrics`): its metrics.jsonl record, less `step`
     and the evaluation figures."""
-
-
-class ProblemSource:
-    """Training prompts for each step, and the fixed held-out problems."""
-
-    def __init__(self, config: TrainConfig):
-        self.config = config
-        if config.task == "arithmetic":
-            self.task = ArithmeticTask(digits=config.digits, operands=config.operands,
-                                       ops=config.ops)
-            self.eval = self.task.sample(config.eval_n, "test", seed=EVAL_SEED, distinct=True)
-        else:
-            everything = load_gsm8k(config.gsm8k_path)
-            self.train = [p for p in everything if split_bucket(p.prompt) >= 20]
-            held_out = [p for p in everything if split_bucket(p.prompt) < 20]
-            if not self.train or not held_out:
-                raise ValueError(f"{config.gsm8k_path} is too small to split into train and "
-                                 "held-out problems")
-            self.eval = held_out[:config.eval_n]
-        self.cgc = self.eval[:config.cgc_prompts]
-
-    def draw(self, step_seed: int) -> list[Problem]:
-        B = self.config.batch_prompts
-        if self.config.task == "arithmetic":
-            return self.task.sample(B, "train", seed=step_seed)
-        return random.Random(step_seed).choices(self.train, k=B)
 
 
 class Trainer:
@@ -133,21 +105,6 @@ class Trainer:
     def evaluate(self) -> dict:
         """`run_eval` of the current policy: the held-out figures (`eval/...`)."""
         return run_eval(self.config, self.policy, self.tokenizer, self.problems)
-
-
-def run_eval(config: TrainConfig, policy, tokenizer, source: ProblemSource) -> dict:
-    """Held-out greedy accuracy, pass@1 / pass@k, mean length, and CGC on fixed prompts."""
-    figures = evaluate(policy, tokenizer, source.eval, samples=config.eval_samples,
-                       temperature=config.temperature, max_new_tokens=config.max_new_tokens,
-                       seed=EVAL_SEED)
-    if source.cgc and config.group_size >= 2:
-        texts = complete(policy, tokenizer, [p.prompt for p in source.cgc],
-                         group_size=config.group_size, temperature=config.temperature,
-                         max_new_tokens=config.max_new_tokens, seed=EVAL_SEED + 1)
-        rewards = correctness(texts, answer=[p.answer for p in source.cgc
-                                             for _ in range(config.group_size)])
-        figures["eval/cgc"] = M.cgc(torch.tensor(rewards), config.group_size)
-    return figures
 
 
 def _memory_mb(device: torch.device) -> float:
