@@ -152,12 +152,21 @@ def _diagnose_parser(sub) -> None:
     cmd.add_argument("--group-size", type=int, default=None,
                      help="G per batch (default: the config's group_size)")
     cmd.add_argument("--out", default=None, help="append the record to this jsonl file")
+    cmd.add_argument("--threads", type=int, default=None,
+                     help="torch CPU threads (default: torch's; 1 is faster for the embedded "
+                          "model on a busy machine, docs/diagnostics.md)")
 
 
 def run_diagnose(args) -> dict:
     from labkit.config import TrainConfig, field_types
     from labkit.diagnose import DiagSettings, diagnose_trainer, from_run, table
 
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {args.threads}")
+        import torch
+
+        torch.set_num_threads(args.threads)
     settings = DiagSettings(prompts=args.prompts, group_size=args.group_size,
                             batches=args.batches, samples=args.samples, seed=args.seed)
     types, given = field_types(), {}

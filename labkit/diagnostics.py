@@ -127,23 +127,44 @@ def surrogate_gradients(logp: Tensor, mask: Tensor | None, rows: dict, params: S
                         ) -> dict[tuple[str, str], Tensor]:
     """Flat gradient (P,) of the on-policy surrogate agg(-A_t * logp_t) for each row's
     advantages A, (N,) or (N, T): at ratio 1 the clipped loss has this gradient (REINFORCE
-    with the aggregation's token weights). logp (N, T) or (N,) carries the graph; it is
-    differentiated once per distinct row (rows with equal advantages share one gradient)."""
+    with the aggregation's token weights). logp (N, T) or (N,) carries the graph.
+
+    By the chain rule each gradient is J^T w, J = d logp / d params and w (N, T) the
+    derivative of the loss with respect to logp; the distinct rows' w (rows with equal
+    advantages share one gradient) go back through the model in one batched backward,
+    or one backward each where the model's operations do not batch."""
     lp = logp if logp.dim() == 2 else logp[:, None]  # (N, T)
     m = torch.ones_like(lp, dtype=torch.long) if mask is None else mask
-    out, done = {}, []
+    keys, cotangents, same = [], [], {}
+    x = lp.detach().requires_grad_(True)
     for key, a in rows.items():
         a_t = (a if a.dim() == 2 else a[:, None].expand_as(lp)).to(lp.device)  # (N, T)
-        same = next((k for k, seen in done if torch.equal(seen, a_t)), None)
-        if same is not None:
-            out[key] = out[same]
+        seen = next((k for k, (b, _) in zip(keys, cotangents) if torch.equal(b, a_t)), None)
+        if seen is not None:
+            same[key] = seen
             continue
-        loss = losses.aggregate(-a_t.to(lp.dtype) * lp, m, agg, max_len=max_len)
-        grads = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
-        out[key] = torch.cat([(g if g is not None else torch.zeros_like(p)).reshape(-1)
-                              for g, p in zip(grads, params)]).detach().float()
-        done.append((key, a_t))
-    return out
+        loss = losses.aggregate(-a_t.to(lp.dtype) * x, m, agg, max_len=max_len)
+        keys.append(key)
+        cotangents.append((a_t, torch.autograd.grad(loss, x)[0]))  # (N, T)
+    w = torch.stack([c for _, c in cotangents])  # (R, N, T)
+    flat = _batched_vjp(lp, params, w)  # (R, P)
+    out = dict(zip(keys, flat))
+    return {key: out[same.get(key, key)] for key in rows}
+
+
+def _batched_vjp(lp: Tensor, params: Sequence[Tensor], w: Tensor) -> Tensor:
+    """J^T w_r for each r, flat (R, P): one vmapped backward, else a loop."""
+    def flat(grads, lead):
+        return torch.cat([(g if g is not None else p.new_zeros(lead + p.shape)).reshape(
+            *lead, -1) for g, p in zip(grads, params)], dim=-1).detach().float()
+    try:
+        grads = torch.autograd.grad(lp, params, grad_outputs=w, retain_graph=True,
+                                    allow_unused=True, is_grads_batched=True)
+        return flat(grads, (w.shape[0],))
+    except RuntimeError:  # an operation without a batching rule
+        return torch.stack([flat(torch.autograd.grad(lp, params, grad_outputs=w_r,
+                                                     retain_graph=True, allow_unused=True), ())
+                            for w_r in w])
 
 
 def v_star(rewards: Tensor, samples: int) -> tuple[Tensor, Tensor]:

@@ -141,6 +141,28 @@ def test_no_baseline_is_the_noisiest(one_thread):
     assert record["grad_mean_cos"]["raw"]["rloo"] > 0.95
 
 
+def test_surrogate_gradients_against_one_backward_per_row():
+    from labkit.losses import aggregate
+
+    gen = torch.Generator().manual_seed(0)
+    theta = torch.nn.Parameter(torch.randn(5, 7, generator=gen, dtype=torch.float64))
+    tokens = torch.randint(0, 7, (6, 5), generator=gen)  # (N, T): row n, position t
+    mask = torch.ones(6, 5, dtype=torch.long)
+    mask[0, 3:] = 0
+    mask[4, 1:] = 0
+    logp = torch.log_softmax(theta, -1)[torch.arange(5), tokens]  # (N, T)
+    a = torch.randn(6, generator=gen)
+    rows = {("a", "raw"): a, ("b", "raw"): torch.randn(6, 5, generator=gen),
+            ("a", "trained"): a.clone()}  # equal to ("a", "raw"): shares its gradient
+    for agg in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"):
+        got = surrogate_gradients(logp, mask, rows, [theta], agg=agg, max_len=8)
+        for key, a in rows.items():
+            a_t = a if a.dim() == 2 else a[:, None].expand(6, 5)
+            loss = aggregate(-a_t.double() * logp, mask, agg, max_len=8)
+            want, = torch.autograd.grad(loss, theta, retain_graph=True)
+            torch.testing.assert_close(got[key], want.reshape(-1).float())
+
+
 # ------------------------------------------------------------------------- binomial MSE
 def binomial_errors(p: torch.Tensor, group_size: int, samples: int, batches: int, seed: int):
     """Baseline errors of every group estimator for Bernoulli(p_b) rewards: (measured vs an
@@ -273,8 +295,10 @@ def test_command_prints_a_table_and_a_json_record(capsys, tmp_path):
     from labkit.__main__ import main
 
     out = tmp_path / "diag.jsonl"
+    threads = torch.get_num_threads()
     code = main(["diagnose", "--prompts", "2", "--group-size", "2", "--batches", "3",
-                 "--samples", "4", "--out", str(out)])
+                 "--samples", "4", "--threads", "1", "--out", str(out)])
+    torch.set_num_threads(threads)
     lines = capsys.readouterr().out.strip().splitlines()
     assert code == 0 and lines[0].split()[:3] == ["estimator", "baseline_mse", "baseline_bias"]
     record = json.loads(lines[-1])
