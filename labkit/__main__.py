@@ -5,6 +5,7 @@ eval   evaluate a model (the embedded one by default) on held-out problems of a 
 run    execute a notebook with papermill into a new run directory (`-p NAME VALUE` checked
        against its parameters cell first)
 sweep  run a notebook over the parameter grid and seeds of experiments/NAME.yaml
+diagnose  baseline error and gradient noise of each advantage estimator on one policy
 bench  time the GRPO step, rollout and memory against TRL, model.generate and PPO
 """
 
@@ -127,6 +128,67 @@ def run_train(args) -> dict:
     return train(config, resume=args.resume).summary()
 
 
+def _diagnose_parser(sub) -> None:
+    cmd = sub.add_parser("diagnose", help="baseline error and gradient noise of each "
+                                          "advantage estimator on one policy",
+                         description="On the first held-out problems: V* per prompt, each "
+                                     "estimator's baseline MSE and bias, the policy gradient's "
+                                     "relative variance and cosine to a reference "
+                                     "(docs/diagnostics.md). Prints a table, then the record "
+                                     "as a JSON last line.")
+    cmd.add_argument("--run", default=None, metavar="RUN_DIR",
+                     help="measure the latest checkpoint of this run (policy and, for PPO, "
+                          "critic) under its config")
+    cmd.add_argument("--set", nargs=2, action="append", default=[], dest="fields",
+                     metavar=("FIELD", "VALUE"),
+                     help="a TrainConfig field, e.g. --set algo ppo (a fresh critic); "
+                          "repeatable")
+    for name, default, what in (("prompts", 16, "B: prompts"),
+                                ("batches", 16, "K: independent batches"),
+                                ("samples", 128, "M: completions per prompt for V*"),
+                                ("seed", 0, "seeds the draws")):
+        cmd.add_argument(f"--{name}", type=int, default=default,
+                         help=f"{what} (default: {default})")
+    cmd.add_argument("--group-size", type=int, default=None,
+                     help="G per batch (default: the config's group_size)")
+    cmd.add_argument("--out", default=None, help="append the record to this jsonl file")
+    cmd.add_argument("--threads", type=int, default=None,
+                     help="torch CPU threads (default: torch's; 1 is faster for the embedded "
+                          "model on a busy machine, docs/diagnostics.md)")
+
+
+def run_diagnose(args) -> dict:
+    from labkit.config import TrainConfig, field_types
+    from labkit.diagnose import DiagSettings, diagnose_trainer, from_run, table
+
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {args.threads}")
+        import torch
+
+        torch.set_num_threads(args.threads)
+    settings = DiagSettings(prompts=args.prompts, group_size=args.group_size,
+                            batches=args.batches, samples=args.samples, seed=args.seed)
+    types, given = field_types(), {}
+    for name, value in args.fields:
+        if name not in types:
+            raise ValueError(f"--set {name}: not a TrainConfig field (valid: {sorted(types)})")
+        given[name] = parse_value(value, types[name], name)
+    given.setdefault("progress", False)
+    if args.run is not None:
+        trainer, step = from_run(args.run, given)
+    else:
+        from labkit.trainer import Trainer
+
+        trainer, step = Trainer(TrainConfig(**given)), None
+    _, record = diagnose_trainer(trainer, settings, step=step)
+    print(table(record))
+    if args.out:
+        with open(args.out, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record, allow_nan=False) + "\n")
+    return record
+
+
 def _run_parser(sub) -> None:
     cmd = sub.add_parser("run", help="execute a notebook into a new run directory",
                          description="Execute NOTEBOOK with papermill into "
@@ -239,6 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     _eval_parser(sub)
     _run_parser(sub)
     _sweep_parser(sub)
+    _diagnose_parser(sub)
     from labkit.bench import add_parser as _bench_parser
 
     _bench_parser(sub)
@@ -252,6 +315,9 @@ def main(argv: list[str] | None = None) -> int:
             from labkit.bench import main_bench
 
             return main_bench(args)
+        if args.command == "diagnose":
+            print(json.dumps(run_diagnose(args), allow_nan=False))
+            return 0
         result = run_train(args) if args.command == "train" else run_eval(args)
     except (ValueError, FileNotFoundError, FileExistsError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)

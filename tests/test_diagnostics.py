@@ -1,0 +1,313 @@
+"""labkit.diagnostics against exact expectations: a tabular policy small enough to enumerate,
+binomial rewards with a known MSE, and the embedded model end to end."""
+
+import itertools
+import json
+import math
+
+import pytest
+import torch
+
+from labkit.config import TrainConfig
+from labkit.diagnostics import (Draw, advantage_rows, baseline_error, flat_metrics,
+                                group_baselines, gradient_noise, measure, surrogate_gradients,
+                                v_star)
+
+# ----------------------------------------------------------------- a tabular softmax policy
+# B prompts, C possible completions per prompt; pi_b = softmax(theta_b); reward r[b, c] in
+# {0, 1}. The per-prompt "critic" is a fixed V(prompt), deliberately not the true value.
+LOGITS = torch.tensor([[0.3, -0.2, 0.1], [0.0, 0.8, -0.5], [-0.4, 0.2, 0.6]],
+                      dtype=torch.float64)
+REWARDS = torch.tensor([[1.0, 0.0, 0.0], [1.0, 1.0, 0.0], [0.0, 1.0, 1.0]], dtype=torch.float64)
+CRITIC = torch.tensor([0.3, 0.9, 0.6], dtype=torch.float64)
+G = 4
+CONFIG = TrainConfig()  # scale="group", std_unbiased=True, agg="token-mean", lam=0.95
+
+
+class Tabular:
+    def __init__(self, critic: bool = False):
+        self.theta = torch.nn.Parameter(LOGITS.clone())
+        self.critic = critic
+
+    def sample(self, group_size: int, seed: int) -> Draw:
+        B = LOGITS.shape[0]
+        gen = torch.Generator().manual_seed(seed)
+        probs = torch.softmax(self.theta.detach(), -1)
+        choice = torch.multinomial(probs, group_size, replacement=True, generator=gen)  # (B, G)
+        rows = torch.arange(B).repeat_interleave(group_size)  # (N,)
+        flat = choice.reshape(-1)
+        values = CRITIC[rows][:, None].float() if self.critic else None  # (N, 1)
+
+        def logp():
+            return torch.log_softmax(self.theta, -1)[rows, flat]  # (N,)
+        return Draw(REWARDS[rows, flat].float(), logp, None, values)
+
+
+def exact_gradient() -> torch.Tensor:
+    """Gradient of the surrogate's loss in expectation for any unbiased baseline: -grad J,
+    J = (1/B) sum_b sum_c pi_bc r_bc, so dJ/dtheta_bc = pi_bc (r_bc - sum_c' pi_bc' r_bc') / B."""
+    pi = torch.softmax(LOGITS, -1)
+    value = (pi * REWARDS).sum(-1, keepdim=True)
+    return (-(pi * (REWARDS - value)) / LOGITS.shape[0]).reshape(-1)
+
+
+def std_scaled_expectation(group_size: int, eps: float = 1e-4) -> torch.Tensor:
+    """E[g] of GRPO's std-scaled advantages, by summing over every G-tuple y of completions:
+
+    E[g] = -(1/B) sum_b sum_{y in C^G} prod_j pi_b(y_j) (1/G) sum_i A_i(y) (e_{y_i} - pi_b),
+    A_i(y) = (r_b(y_i) - mean_j r_b(y_j)) / (std_j r_b(y_j) + eps), std dividing by G-1,
+    A = 0 when the G rewards are equal; e_c - pi_b is grad_theta_b log pi_b(c)."""
+    pi = torch.softmax(LOGITS, -1)
+    B, C = LOGITS.shape
+    out = torch.zeros(B, C, dtype=torch.float64)
+    for b in range(B):
+        for y in itertools.product(range(C), repeat=group_size):
+            p = math.prod(float(pi[b, c]) for c in y)
+            r = [float(REWARDS[b, c]) for c in y]
+            mean = sum(r) / group_size
+            if max(r) == min(r):
+                continue
+            std = math.sqrt(sum((x - mean) ** 2 for x in r) / (group_size - 1))
+            for i, c in enumerate(y):
+                a = (r[i] - mean) / (std + eps)
+                onehot = torch.zeros(C, dtype=torch.float64)
+                onehot[c] = 1.0
+                out[b] -= p * a * (onehot - pi[b]) / (group_size * B)
+    return out.reshape(-1)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny tensors: one thread spends no time handing work between threads."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tabular_gradients(one_thread):
+    """K per-batch gradients (K, P) of every row on the tabular policy with a critic."""
+    policy = Tabular(critic=True)
+    K, grads = 1000, {}
+    for k in range(K):
+        draw = policy.sample(G, seed=k)
+        rows = advantage_rows(draw, G, CONFIG)
+        for key, g in surrogate_gradients(draw.logp(), draw.mask, rows, [policy.theta],
+                                          agg=CONFIG.agg).items():
+            grads.setdefault(key, []).append(g.double())
+    return {key: torch.stack(g) for key, g in grads.items()}
+
+
+def z_scores(samples: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
+    """(mean - expected) / standard error, per coordinate."""
+    se = samples.std(0, correction=1) / math.sqrt(samples.shape[0])
+    return (samples.mean(0) - expected) / se.clamp(min=1e-12)
+
+
+def test_unbiased_baselines_match_the_exact_gradient(tabular_gradients):
+    exact = exact_gradient()
+    for key in [("none", "raw"), ("rloo", "raw"), ("ppo_critic", "raw"), ("ppo_gae", "raw")]:
+        z = z_scores(tabular_gradients[key], exact)
+        assert z.abs().max() < 4.5, (key, z)
+
+
+def test_group_mean_including_the_sample_gives_g_minus_1_over_g(tabular_gradients):
+    exact = exact_gradient()
+    for name in ("grpo", "dr_grpo"):
+        samples = tabular_gradients[(name, "raw")]
+        assert z_scores(samples, exact * (G - 1) / G).abs().max() < 4.5
+        # and the test can tell it from the exact gradient
+        assert z_scores(samples, exact).abs().max() > 6
+
+
+def test_std_scaling_matches_its_enumerated_expectation(tabular_gradients):
+    expected = std_scaled_expectation(G)
+    samples = tabular_gradients[("grpo", "trained")]
+    assert z_scores(samples, expected).abs().max() < 4.5
+    assert z_scores(samples, exact_gradient()).abs().max() > 6
+
+
+def test_no_baseline_is_the_noisiest(one_thread):
+    policy = Tabular(critic=True)
+    record = measure(policy.sample, [policy.theta], CONFIG, group_size=G, batches=200,
+                     samples=256, seed=1)
+    raw = record["grad_rel_var"]["raw"]
+    none = raw["none"]
+    for name, fig in raw.items():
+        if name != "none":
+            assert none["mean"] - fig["mean"] > 3 * math.hypot(none["se"], fig["se"]), name
+    # every unbiased row points where the reference gradient does
+    assert record["grad_mean_cos"]["raw"]["rloo"] > 0.95
+
+
+def test_surrogate_gradients_against_one_backward_per_row():
+    from labkit.losses import aggregate
+
+    gen = torch.Generator().manual_seed(0)
+    theta = torch.nn.Parameter(torch.randn(5, 7, generator=gen, dtype=torch.float64))
+    tokens = torch.randint(0, 7, (6, 5), generator=gen)  # (N, T): row n, position t
+    mask = torch.ones(6, 5, dtype=torch.long)
+    mask[0, 3:] = 0
+    mask[4, 1:] = 0
+    logp = torch.log_softmax(theta, -1)[torch.arange(5), tokens]  # (N, T)
+    a = torch.randn(6, generator=gen)
+    rows = {("a", "raw"): a, ("b", "raw"): torch.randn(6, 5, generator=gen),
+            ("a", "trained"): a.clone()}  # equal to ("a", "raw"): shares its gradient
+    for agg in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"):
+        got = surrogate_gradients(logp, mask, rows, [theta], agg=agg, max_len=8)
+        for key, a in rows.items():
+            a_t = a if a.dim() == 2 else a[:, None].expand(6, 5)
+            loss = aggregate(-a_t.double() * logp, mask, agg, max_len=8)
+            want, = torch.autograd.grad(loss, theta, retain_graph=True)
+            torch.testing.assert_close(got[key], want.reshape(-1).float())
+
+
+# ------------------------------------------------------------------------- binomial MSE
+def binomial_errors(p: torch.Tensor, group_size: int, samples: int, batches: int, seed: int):
+    """Baseline errors of every group estimator for Bernoulli(p_b) rewards: (measured vs an
+    M-sample V*, measured vs the true p)."""
+    gen = torch.Generator().manual_seed(seed)
+    B = p.shape[0]
+    ref = torch.bernoulli(p[:, None].expand(B, samples), generator=gen).reshape(-1)
+    v, v_se = v_star(ref, samples)
+    base = {}
+    for k in range(batches):
+        r = torch.bernoulli(p[:, None].expand(B, group_size), generator=gen).reshape(-1)
+        for name, b in group_baselines(r, group_size).items():
+            base.setdefault(name, []).append(b.view(B, group_size))
+    against_v = {n: baseline_error(torch.stack(b), v, v_se) for n, b in base.items()}
+    against_p = {n: baseline_error(torch.stack(b), p.double(), torch.zeros(B))
+                 for n, b in base.items()}
+    return against_v, against_p
+
+
+def test_group_mean_mse_is_binomial():
+    """Group mean of G binary rewards: E (mean - p)^2 = p(1-p)/G; against an independent
+    M-sample V*, E (mean - V*)^2 = p(1-p)(1/G + 1/M). Leave-one-out: p(1-p)/(G-1) + p(1-p)/M.
+    Measured within 4 of its own standard errors; the two expectations differ by more."""
+    Gs, M = 8, 16
+    p = torch.linspace(0.05, 0.95, 400, dtype=torch.float64)
+    q = float((p * (1 - p)).mean())
+    against_v, against_p = binomial_errors(p, Gs, M, batches=8, seed=0)
+    for name in ("grpo", "dr_grpo"):
+        fig = against_v[name]
+        assert abs(fig["mse"] - q * (1 / Gs + 1 / M)) < 4 * fig["mse_se"], fig["mse"]
+        assert abs(fig["mse"] - q / Gs) > 4 * fig["mse_se"]
+        assert abs(fig["bias"]) < 4 * fig["bias_se"]
+        assert abs(against_p[name]["mse"] - q / Gs) < 4 * against_p[name]["mse_se"]
+    loo = against_v["rloo"]
+    assert abs(loo["mse"] - q * (1 / (Gs - 1) + 1 / M)) < 4 * loo["mse_se"]
+    none = against_p["none"]  # baseline 0: error -p, MSE mean p^2, exactly
+    assert none["mse"] == pytest.approx(float((p ** 2).mean()))
+    assert none["bias"] == pytest.approx(-float(p.mean()))
+
+
+def test_gradient_noise_against_a_plain_loop():
+    gen = torch.Generator().manual_seed(3)
+    g = torch.randn(6, 5, generator=gen, dtype=torch.float64) + torch.tensor([1.0, 0, 0, 2, 0])
+    ref = torch.randn(5, generator=gen, dtype=torch.float64)
+    out = gradient_noise(g, ref)
+
+    def rel(x):
+        mean = x.mean(0)
+        return float(((x - mean) ** 2).sum(1).sum() / (len(x) - 1) / (mean @ mean))
+    jack = torch.tensor([rel(torch.cat([g[:k], g[k + 1:]])) for k in range(6)])
+    cos = torch.nn.functional.cosine_similarity(g, ref[None], dim=1)
+    assert out["rel_var"] == pytest.approx(rel(g))
+    assert out["rel_var_se"] == pytest.approx(float((5 / 6 * ((jack - jack.mean()) ** 2).sum())
+                                                    .sqrt()))
+    assert out["cos"] == pytest.approx(float(cos.mean()))
+    assert out["cos_se"] == pytest.approx(float(cos.std() / math.sqrt(6)))
+    zero = gradient_noise(torch.zeros(4, 5), ref)
+    assert zero["rel_var"] is None and zero["cos"] == 0.0
+
+
+# ---------------------------------------------------------------- the embedded model
+SMALL = dict(prompts=3, group_size=4, batches=3, samples=8, seed=0)
+
+
+def check_record(record: dict, critic: bool) -> None:
+    json.dumps(record, allow_nan=False)
+    B = SMALL["prompts"]
+    assert len(record["v_star"]) == len(record["v_star_se"]) == len(record["prompts"]) == B
+    names = {"grpo", "dr_grpo", "rloo", "none"} | ({"ppo_critic"} if critic else set())
+    assert set(record["baseline_mse"]) == set(record["baseline_bias"]) == names
+    rows = names | ({"ppo_gae"} if critic else set())
+    for field in ("grad_rel_var", "grad_cos"):
+        assert set(record[field]) == {"raw", "trained"}
+        for mode in ("raw", "trained"):
+            assert set(record[field][mode]) == rows
+    for fig in record["baseline_mse"].values():
+        assert math.isfinite(fig["mean"]) and fig["mean"] >= 0 and math.isfinite(fig["se"])
+    assert record["grad_rel_var"]["raw"]["none"]["mean"] is not None
+    flat = flat_metrics(record)
+    assert all(math.isfinite(v) for v in flat.values())
+    assert {f"diag/baseline_mse/{n}" for n in names} <= set(flat)
+    assert "diag/grad_rel_var/none" in flat and "diag/grad_rel_var_raw/none" in flat
+
+
+def test_lm_path_without_a_critic(tiny):
+    from labkit.diagnose import DiagSettings, diagnose
+    from labkit.tasks import ArithmeticTask
+
+    model, tokenizer = tiny
+    problems = ArithmeticTask().sample(SMALL["prompts"], "test", seed=5, distinct=True)
+    config = TrainConfig(max_new_tokens=16)
+    before = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+    rng = torch.get_rng_state()
+    record = diagnose(model, tokenizer, problems, config=config, settings=DiagSettings(**SMALL),
+                      step=7)
+    check_record(record, critic=False)
+    assert torch.equal(torch.get_rng_state(), rng)  # a run's own draws are not disturbed
+    assert record["step"] == 7 and record["settings"]["samples"] == SMALL["samples"]
+    for p, b in zip(model.parameters(), before):  # the model's .grad is untouched
+        assert (p.grad is None and b is None) or torch.equal(p.grad, b)
+
+
+def test_lm_path_with_a_critic_through_a_trainer():
+    from labkit.diagnose import DiagSettings, diagnose_trainer
+    from labkit.trainer import Trainer
+
+    trainer = Trainer(TrainConfig(algo="ppo", steps=1, batch_prompts=2, group_size=2,
+                                  eval_n=8, progress=False))
+    flat, record = diagnose_trainer(trainer, DiagSettings(**SMALL), step=0)
+    check_record(record, critic=True)
+    # a fresh critic's head is zero: V = 0 everywhere, so its baseline is `none`'s
+    assert record["baseline_mse"]["ppo_critic"] == record["baseline_mse"]["none"]
+    assert record["grad_rel_var"]["raw"]["ppo_critic"]["mean"] == pytest.approx(
+        record["grad_rel_var"]["raw"]["none"]["mean"], rel=1e-4)
+    assert flat["diag/baseline_mse/ppo_critic"] == record["baseline_mse"]["ppo_critic"]["mean"]
+
+
+def test_settings_are_checked():
+    from labkit.diagnose import DiagSettings
+
+    with pytest.raises(ValueError, match="batches must be an int >= 3"):
+        DiagSettings(batches=2)
+    with pytest.raises(ValueError, match="samples"):
+        DiagSettings(samples=1)
+    with pytest.raises(ValueError, match="estimators"):
+        DiagSettings(estimators=("nope",))
+
+
+def test_command_prints_a_table_and_a_json_record(capsys, tmp_path):
+    from labkit.__main__ import main
+
+    out = tmp_path / "diag.jsonl"
+    threads = torch.get_num_threads()
+    code = main(["diagnose", "--prompts", "2", "--group-size", "2", "--batches", "3",
+                 "--samples", "4", "--threads", "1", "--out", str(out)])
+    torch.set_num_threads(threads)
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert code == 0 and lines[0].split()[:3] == ["estimator", "baseline_mse", "baseline_bias"]
+    record = json.loads(lines[-1])
+    assert record["settings"]["batches"] == 3 and "ppo_critic" not in record["baseline_mse"]
+    assert json.loads(out.read_text()) == record
+
+
+def test_command_rejects_an_unknown_field(capsys):
+    from labkit.__main__ import main
+
+    assert main(["diagnose", "--set", "nope", "1"]) == 2
+    assert "--set nope: not a TrainConfig field" in capsys.readouterr().err
