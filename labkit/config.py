@@ -147,6 +147,17 @@ class TrainConfig:
     """Sampled completions per held-out problem, for pass@1 and pass@k."""
     cgc_prompts: int = bounded(32, ge=0)
     """Fixed held-out prompts whose G rewards give CGC at each evaluation."""
+    diag_every: int = bounded(0, ge=0)
+    """Steps between estimator diagnostics (labkit.diagnose, docs/diagnostics.md) of the
+    current policy (and PPO's critic), also at step 0 and at the last step: flat `diag/...`
+    figures in metrics.jsonl, the full record as a line of diagnostics.jsonl. 0: never."""
+    diag_prompts: int = bounded(16, ge=1)
+    """Diagnostics: the first held-out problems measured (B), the same at every measurement;
+    at most eval_n."""
+    diag_batches: int = bounded(16, ge=3)
+    """Diagnostics: K independent batches of G completions per prompt (the gradient noise)."""
+    diag_samples: int = bounded(128, ge=2)
+    """Diagnostics: M completions per prompt for V* and the reference gradient."""
     run_dir: str | None = None
     """Where the run writes; None makes experiments/runs/<algo>/<time>-<pid>."""
     checkpoint_every: int = bounded(0, ge=0)
@@ -222,6 +233,9 @@ class TrainConfig:
         if self.rows % self.minibatches:
             raise ValueError(f"minibatches={self.minibatches} must divide the batch_prompts * "
                              f"group_size = {self.rows} rows of a step")
+        if self.diag_every and self.diag_prompts > self.eval_n:
+            raise ValueError(f"diag_prompts={self.diag_prompts} must be <= eval_n="
+                             f"{self.eval_n}: the diagnostics measure held-out problems")
         if (self.rows // self.minibatches) % self.grad_accum:
             raise ValueError(f"grad_accum={self.grad_accum} must divide the "
                              f"{self.rows // self.minibatches} rows of a minibatch")

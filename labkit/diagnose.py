@@ -11,9 +11,12 @@ Shapes: B prompts, G completions per prompt, N = B*G rows, T completion tokens.
 
 from __future__ import annotations
 
+import json
+import random
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -129,6 +132,57 @@ def diagnose_trainer(trainer, settings: DiagSettings | None = None,
     return flat_metrics(record), record
 
 
+DIAG_FILE = "diagnostics.jsonl"
+"""A run's diagnostics: one JSON line per measurement (the `diagnose` record)."""
+
+
+def settings_of(config) -> DiagSettings:
+    """The DiagSettings a run with TrainConfig `config` measures with (seeded by its seed)."""
+    return DiagSettings(prompts=config.diag_prompts, batches=config.diag_batches,
+                        samples=config.diag_samples, seed=config.seed)
+
+
+class RunDiagnostics:
+    """A run's diagnostics every `config.diag_every` steps (and at step 0 and the last step):
+    `measure(trainer, step)` returns the flat `diag/...` floats for that step's metrics.jsonl
+    record ({} on other steps) and appends the record to diagnostics.jsonl, flushed.
+
+    The measurement draws from its own seeded generators, and python's and torch's global
+    generator states are restored after it, so a run logs the same training metrics with or
+    without diagnostics."""
+
+    def __init__(self, config, run_dir):
+        self.config = config
+        self.path = Path(run_dir) / DIAG_FILE
+        self.settings = settings_of(config) if config.diag_every else None
+
+    def due(self, step: int) -> bool:
+        every = self.config.diag_every
+        return bool(every) and (step % every == 0 or step == self.config.steps)
+
+    def measure(self, trainer, step: int) -> dict[str, float]:
+        if not self.due(step):
+            return {}
+        state = random.getstate()
+        cuda = [trainer.device] if trainer.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=cuda):
+            flat, record = diagnose_trainer(trainer, self.settings, step)
+        random.setstate(state)
+        with self.path.open("a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+            f.flush()
+        return flat
+
+
+def read_diagnostics(run_dir) -> list[dict]:
+    """The records of a run's diagnostics.jsonl, in order (none when it has none)."""
+    path = Path(run_dir) / DIAG_FILE
+    if not path.is_file():
+        return []
+    lines = path.read_text(encoding="utf-8").splitlines()
+    return [json.loads(line) for line in lines if line.strip()]
+
+
 def from_run(run_dir, overrides: dict | None = None):
     """A Trainer holding the latest checkpoint of `run_dir` (its policy and, for PPO, its
     critic) and its config (with `overrides`), and the checkpoint's step."""
@@ -168,4 +222,4 @@ def table(record: dict) -> str:
 
 
 __all__ = ["DiagSettings", "lm_sampler", "diagnose", "diagnose_trainer", "flat_metrics",
-           "from_run", "table"]
+           "DIAG_FILE", "settings_of", "RunDiagnostics", "read_diagnostics", "from_run", "table"]

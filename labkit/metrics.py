@@ -1,6 +1,7 @@
 """Monitoring metrics of one RL step: pure functions from plain tensors to Python floats.
 
-Every key lives in one namespace table, `METRICS`, from which docs/metrics.md is generated.
+Every key lives in one namespace table, `METRICS` (defined in `labkit.metric_table`), from
+which docs/metrics.md is generated.
 Shapes use the letters B prompts, G completions per prompt (the group), T
 completion tokens, N = B*G rows; `mask` (N, T) is 1 on real completion tokens (EOS
 included), 0 on padding. Inputs may be any float dtype on any device; the math runs in fp32
@@ -21,88 +22,7 @@ import torch
 from torch import Tensor
 
 from labkit.checks import float_like, float_tensor, zero_one
-
-METRICS: dict[str, str] = {
-    "rollout/reward_mean": "mean reward over the N = B*G completions of the step",
-    "rollout/reward_std": "std of the N rewards over the batch (divides by N)",
-    "rollout/group_reward_std":
-        "std of the G rewards within each group (divides by G), averaged over the B groups",
-    "rollout/frac_zero_std":
-        "fraction of groups whose G rewards are all equal: zero GRPO advantage, no learning "
-        "signal",
-    "rollout/length_mean":
-        "mean completion length in tokens (unmasked tokens per row, EOS included)",
-    "rollout/length_max": "longest completion of the step, in tokens",
-    "rollout/truncated_frac": "fraction of completions that hit max_new_tokens without EOS",
-    "rollout/kept_frac":
-        "GRPO: fraction of the N completions the update used (dynamic sampling drops the groups "
-        "whose rewards are all equal; 1 without it)",
-    "adv/mean":
-        "mean advantage over the N completions, or over the unmasked tokens for (N, T) advantages",
-    "adv/std": "std of the advantages (divides by the count), same selection as adv/mean",
-    "adv/min": "smallest advantage, same selection as adv/mean",
-    "adv/max": "largest advantage, same selection as adv/mean",
-    "adv/gav":
-        "group advantage variance (GAV), a std despite its name: std of the G per-completion "
-        "advantages within a group (divides by G), averaged over groups",
-    "clip/low":
-        "fraction of unmasked tokens with ratio < 1 - eps_low and A < 0: the low clip is active, "
-        "the gradient is cut",
-    "clip/high":
-        "fraction of unmasked tokens with ratio > 1 + eps_high and A > 0: the high clip is "
-        "active, the gradient is cut",
-    "clip/total":
-        "clip/low + clip/high: the token-level clip ratio (TLCR); in training each clip/* is the "
-        "mean over the step's optimizer steps, all num_iterations passes",
-    "reuse/clip_low": "clip/low over the passes after the first (num_iterations >= 2 only)",
-    "reuse/clip_high": "clip/high over the passes after the first (num_iterations >= 2 only)",
-    "reuse/clip_total":
-        "clip/total over the passes after the first, where the ratio can differ from 1 (on the "
-        "first pass it is 1 and nothing clips); num_iterations >= 2 only",
-    "clip/dual": "fraction of unmasked tokens with A < 0 whose loss the dual clip caps at -c * A",
-    "ratio/mean": "mean importance ratio exp(logp - old_logp) over unmasked tokens",
-    "ratio/max": "largest importance ratio exp(logp - old_logp) over unmasked tokens",
-    "policy/kl":
-        "mean per-token KL estimate (kl_kind: k3 for GRPO, k1 for PPO by default) to the "
-        "reference over unmasked tokens: GRPO's as in its loss, during the update; PPO's on the "
-        "sampling log-probs, as in its reward",
-    "policy/kl_k1":
-        "mean over unmasked tokens of k1 = logp_old - logp_ref, the sampling log-probs against "
-        "the reference before the update: the same quantity for GRPO and PPO (beta > 0 only)",
-    "policy/entropy": "mean per-token entropy of the policy over unmasked tokens, in nats",
-    "value/explained_var":
-        "1 - Var(R - V) / Var(R) over unmasked tokens: 1 is a perfect critic, 0 no better than a "
-        "constant",
-    "value/clipfrac":
-        "fraction of unmasked tokens where the clipped branch of the value loss is the larger",
-    "loss/policy": "clipped-surrogate policy loss, aggregated over tokens by the chosen mode",
-    "loss/kl":
-        "KL term as added to the loss: beta times the aggregated per-token KL (absent when the KL "
-        "is in the reward)",
-    "loss/entropy":
-        "entropy term as added to the loss: minus the coefficient times the aggregated entropy",
-    "loss/value": "value loss of the PPO critic, aggregated",
-    "loss/total": "the scalar that is back-propagated",
-    "perf/step_s": "wall-clock seconds of the step, rollout and update",
-    "perf/tokens_per_s": "unmasked completion tokens of the step divided by perf/step_s",
-    "perf/rollout_s": "wall-clock seconds of the rollout and the reward of the step",
-    "perf/update_s": "wall-clock seconds of the update of the step (advantages, losses, optimizer)",
-    "perf/mem_mb":
-        "peak memory in MiB: CUDA memory allocated during the step on a GPU, the process's peak "
-        "resident set so far on the CPU",
-    "perf/grad_norm": "global L2 norm of the policy gradient before clipping",
-    "opt/lr": "learning rate of the policy optimizer at this step",
-    "eval/accuracy": "greedy accuracy on the held-out problems",
-    "eval/pass@1": "mean correctness of the sampled completions of the held-out problems",
-    "eval/pass@k":
-        "unbiased pass@k (Chen et al. 2021) from the same samples, logged under the actual k, "
-        "e.g. eval/pass@4",
-    "eval/length": "mean greedy completion length on the held-out problems, in characters",
-    "eval/n": "number of held-out problems evaluated",
-    "eval/cgc":
-        "cross-group consistency (CGC): std / |mean| (divides by G) of the G rewards of each "
-        "fixed eval prompt, averaged over prompts with |mean| > eps",
-}
+from labkit.metric_table import METRICS  # the table lives there; re-exported here
 
 _KEY = re.compile(r"^[a-z][a-z0-9_]*/\S+$")
 

@@ -30,6 +30,7 @@ from labkit import reward_specs, rundir, stops
 from labkit.advantages import NonFiniteError
 from labkit.algos import Learner, StepOutput, grpo_step, ppo_step
 from labkit.config import TrainConfig, preflight
+from labkit.diagnose import RunDiagnostics
 from labkit.evaluation import run_eval
 from labkit.learner import (build_learner, learner_state, make_accelerator, restore_learner,
                             update_count)
@@ -247,6 +248,7 @@ class _RunLog:
         for record in self.records:  # a resumed run follows the same streaks as an uninterrupted one
             self.judge(record)
         self.writer = rundir.MetricsWriter(path)
+        self.diag = RunDiagnostics(config, path.parent)  # diag_every: diagnostics.jsonl
 
     def judge(self, record: dict) -> stops.Stop | stops.Dead | None:
         self.stopped = self.watch.update(record)
@@ -267,7 +269,7 @@ def _train(config: TrainConfig, run_dir: Path, resuming: bool,
     log = _RunLog(config, metrics_path)
     try:
         if first == 1:
-            record = {"step": 0, **trainer.evaluate()}
+            record = {"step": 0, **trainer.evaluate(), **log.diag.measure(trainer, 0)}
             log.write(record)
             log.judge(record)
         _run_steps(trainer, log, first, run_dir, callbacks)
@@ -295,7 +297,7 @@ def _run_steps(trainer: Trainer, log: _RunLog, first: int, run_dir: Path,
         for step in bar:
             updates_before = update_count(learner)
             result = trainer.step(step)
-            record = {"step": step, **result.metrics}
+            record = {"step": step, **result.metrics, **log.diag.measure(trainer, step)}
             evaluated = step % config.eval_every == 0 or step == config.steps
             if evaluated:
                 record |= trainer.evaluate()

@@ -311,3 +311,50 @@ def test_command_rejects_an_unknown_field(capsys):
 
     assert main(["diagnose", "--set", "nope", "1"]) == 2
     assert "--set nope: not a TrainConfig field" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------- wired into the trainer
+RUN = dict(steps=3, batch_prompts=4, group_size=4, max_new_tokens=12, eval_every=2, eval_n=8,
+           eval_samples=2, cgc_prompts=4, progress=False, lr=5e-4, dead_steps=0)
+DIAG = dict(diag_every=2, diag_prompts=3, diag_batches=3, diag_samples=4)
+
+
+def _training_figures(records):
+    """Records less the diagnostics and the wall-clock figures."""
+    return [{k: v for k, v in r.items() if not k.startswith(("diag/", "perf/"))}
+            for r in records]
+
+
+@pytest.mark.parametrize("algo", ["grpo", "ppo"])
+def test_a_run_logs_diagnostics_every_diag_every_steps_without_changing_training(tmp_path,
+                                                                                  algo):
+    from labkit.diagnose import DIAG_FILE, read_diagnostics
+    from labkit.metrics import METRICS
+    from labkit.trainer import train
+
+    plain = train(TrainConfig(algo=algo, run_dir=str(tmp_path / "plain"), **RUN))
+    diag = train(TrainConfig(algo=algo, run_dir=str(tmp_path / "diag"), **RUN, **DIAG))
+    assert not (tmp_path / "plain" / DIAG_FILE).exists()
+    assert not any(k.startswith("diag/") for r in plain.history for k in r)
+    measured = {r["step"] for r in diag.history if "diag/v_star_mean" in r}
+    assert measured == {0, 2, 3}  # step 0, every 2 steps, the last step
+    rows = ["grpo", "dr_grpo", "rloo", "none"] + (["ppo_critic"] if algo == "ppo" else [])
+    for record in diag.history:
+        if record["step"] in measured:
+            keys = {k for k in record if k.startswith("diag/")}
+            assert keys <= set(METRICS)
+            assert {f"diag/baseline_mse/{e}" for e in rows} <= keys
+            assert ("diag/grad_rel_var/ppo_gae" in keys) == (algo == "ppo")
+    lines = read_diagnostics(tmp_path / "diag")
+    assert [line["step"] for line in lines] == [0, 2, 3]
+    assert all(len(line["v_star"]) == 3 and line["settings"]["batches"] == 3 for line in lines)
+    assert _training_figures(diag.history) == _training_figures(plain.history)
+
+
+def test_diag_fields_are_checked_before_any_model_loads():
+    with pytest.raises(ValueError, match="diag_batches"):
+        TrainConfig(diag_batches=2)
+    with pytest.raises(ValueError, match="diag_prompts"):
+        TrainConfig(diag_every=1, diag_prompts=9, eval_n=8)
+    assert TrainConfig().diag_every == 0  # default runs measure nothing
+    TrainConfig(stop_rules="diag/grad_rel_var/grpo>5 for 2")  # a stop rule may read them
