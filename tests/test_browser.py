@@ -62,7 +62,8 @@ POLL_S = 0.25
 # run_dir is always a temporary folder, so the run writes nothing into the repository.
 # A short run: the point is the live plot, not the training (2 cores run the kernel,
 # the server and Chromium together).
-PARAMETERS: dict = {"steps": 4, "eval_n": 8}
+PARAMETERS: dict = {"steps": 4, "eval_n": 8, "diag_every": 2, "diag_prompts": 4,
+                    "diag_batches": 3, "diag_samples": 8}
 
 # JupyterLab user settings for the run: no autosave, no news or update look-ups.
 LAB_SETTINGS = {

@@ -27,7 +27,9 @@ REQUIRED = {
                        "max_new_tokens", "lr", "eval_every", "eval_n", "algos"},
     "02_group_size_sweep": {"run_dir", "seed", "steps", "group_sizes", "budget",
                             "samples_per_step", "eval_every", "eval_n"},
-    "03_advantage_variance_live": {"run_dir", "seed", "estimator", "group_size", "steps"},
+    "03_advantage_variance_live": {"run_dir", "seed", "estimator", "group_size", "steps",
+                                   "reward", "diag_every", "diag_prompts", "diag_batches",
+                                   "diag_samples"},
 }
 TYPES = {"int": int, "float": float, "str": str, "bool": bool}
 
@@ -73,7 +75,7 @@ def _records(path: Path) -> list[dict]:
 def _check_run(summary: dict, run: str, steps: int):
     for key in ("accuracy_before", "accuracy_after", "final_reward", "frac_zero_std"):
         assert 0 <= summary[f"{run}/{key}"] <= 1, (run, key)
-    assert summary[f"{run}/gav"] >= 0 and summary[f"{run}/adv_var"] >= 0
+    assert summary[f"{run}/gav"] >= 0
     assert summary[f"{run}/step_s"] > 0 and summary[f"{run}/state_mb"] > 0
     assert summary[f"{run}/steps"] == steps
 
@@ -95,6 +97,7 @@ def check_01(summary, records, params):
         _check_run(summary, algo, params["steps"][1])
         assert summary[f"{algo}/kl"] >= -1e-6 and summary[f"{algo}/entropy"] > 0
         assert 0 <= summary[f"{algo}/clip_low"] <= 1 and 0 <= summary[f"{algo}/clip_high"] <= 1
+        assert f"{algo}/adv_var" not in summary  # whitened vs z-scored: not a comparison
     assert summary["ppo/state_mb"] > summary["grpo/state_mb"]  # the critic
     assert isinstance(summary["description"], str) and summary["description"]
     assert {r["run"] for r in records} == set(algos)
@@ -110,18 +113,34 @@ def check_02(summary, records, params):
         for G in sizes:
             run = f"{b}/G={G}"
             _check_run(summary, run, params["steps"][1])
-            assert summary[f"{run}/group_size"] == G
+            assert summary[f"{run}/group_size"] == G and summary[f"{run}/adv_var"] >= 0
             B = summary[f"{run}/batch_prompts"]
             assert B * G == S if b == "samples" else B == S // max(sizes)
     assert {r["run"] for r in records} == {f"{b}/G={G}" for b in budgets for G in sizes}
 
 
+DIAG_ROWS = ("grpo", "dr_grpo", "rloo", "none", "ppo_critic")
+
+
 def check_03(summary, records, params):
-    estimator = params["estimator"][1]
+    estimator, steps, every = params["estimator"][1], params["steps"][1], params["diag_every"][1]
     for run in (estimator, "ppo"):
-        _check_run(summary, run, params["steps"][1])
+        _check_run(summary, run, steps)
     assert summary["estimator"] == estimator and summary["group_size"] == params["group_size"][1]
     assert {r["run"] for r in records} == {estimator, "ppo"}
+    assert summary["diag_step"] == steps  # the last step is always measured
+    for name in DIAG_ROWS:
+        assert 0 <= summary[f"baseline_mse/{name}"] <= 1, name  # rewards in [0, 1]
+        assert summary[f"grad_rel_var/{name}"] > 0, name
+    assert summary["grad_rel_var/ppo_gae"] > 0
+    measured = {(r["run"], r["step"]) for r in records if "diag/v_star_mean" in r}
+    wanted = {0, steps} | set(range(0, steps + 1, every))
+    assert measured == {(run, s) for run in (estimator, "ppo") for s in wanted}
+    last_ppo = [r for r in records if r["run"] == "ppo" and r["step"] == steps][0]
+    assert summary["baseline_mse/ppo_critic"] == last_ppo["diag/baseline_mse/ppo_critic"]
+    # the default runs learn: both end above where they started
+    for run in (estimator, "ppo"):
+        assert summary[f"{run}/accuracy_after"] > summary[f"{run}/accuracy_before"], run
 
 
 @pytest.mark.notebook
@@ -216,21 +235,28 @@ def one_thread():
 
 
 def test_live_controls_rerun_into_fresh_folders(tmp_path, one_thread):
-    from labkit.lab import plots
+    from labkit.diagnose import read_diagnostics
+    from labkit.lab import live as live_figure
 
-    live = plots.LivePlot()
+    live = live_figure.LivePlot()
     panel = lab.live_controls(live, run_dir=tmp_path, estimator="rloo", group_size=2, steps=2,
-                              seed=0, batch_prompts=2, eval_n=4, max_new_tokens=12)
+                              seed=0, batch_prompts=2, eval_n=4, max_new_tokens=12,
+                              diag_every=2, diag_prompts=2, diag_batches=3, diag_samples=4)
     estimator, G, steps, button = panel.children[0].children
     assert (estimator.value, G.value, steps.value) == ("rloo", 2, 2)
     button.click()
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["rloo/steps"] == 2 and summary["ppo/group_size"] == 2
-    gav = [t for t in live.widget.data if t.xaxis == "x" and t.name == "rloo"][0]
-    assert list(gav.x) == [1, 2]
+    reward = [t for t in live.widget.data if t.xaxis == "x3" and t.name == "rloo run"][0]
+    assert list(reward.x) == [1, 2]
+    mse = [t for t in live.widget.data if t.xaxis == "x" and t.name == "rloo run: none"][0]
+    assert list(mse.x) == [0, 2]  # step 0 (read from diagnostics.jsonl) and the last step
+    assert summary["baseline_mse/ppo_critic"] >= 0 and summary["grad_rel_var/ppo_gae"] > 0
+    lines = read_diagnostics(tmp_path / "ppo")
+    assert [line["step"] for line in lines] == [0, 2] and len(lines[0]["v_star"]) == 2
     estimator.value, steps.value = "dr_grpo", 1
     button.click()
     assert (tmp_path / "ppo-2").is_dir() and (tmp_path / "dr_grpo").is_dir()
     assert json.loads((tmp_path / "summary.json").read_text())["dr_grpo/steps"] == 1
-    assert [t.name for t in live.widget.data if t.xaxis == "x"] == ["dr_grpo", "ppo"]
+    assert [t.name for t in live.widget.data if t.xaxis == "x3"] == ["dr_grpo run", "ppo run"]
     assert panel.children[1].value.startswith(("dr_grpo went", "ppo went"))

@@ -8,6 +8,7 @@ import plotly.io as pio
 import pytest
 import torch
 
+from labkit.lab import live as live_figure
 from labkit.lab import plots
 from labkit.config import TrainConfig
 from labkit.trainer import StepReport
@@ -116,53 +117,49 @@ def test_setup_renders_offline_html_without_cdn():
         pio.renderers.default = before
 
 
-def test_group_std_matches_a_loop():
-    values = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 0.0])
-    got = plots.group_std(values, 3)
-    for b, v in enumerate(got):
-        g = values[3 * b:3 * b + 3].tolist()
-        mean = sum(g) / 3
-        assert v == pytest.approx(math.sqrt(sum((x - mean) ** 2 for x in g) / 3))
-    token = torch.tensor([[1.0, 3.0, 9.0], [2.0, 0.0, 0.0]])
-    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
-    assert plots.group_std(token, 2, mask) == pytest.approx([0.0])  # row means 2 and 2
+def fake_report(step, algo, steps=10, diag=False):
+    config = TrainConfig(algo=algo, steps=steps)
+    metrics = {"adv/gav": 0.1 * step, "rollout/reward_mean": 0.5 + 0.01 * step}
+    if diag:
+        rows = ("grpo", "dr_grpo", "rloo", "none") + (("ppo_critic",) if algo == "ppo" else ())
+        metrics |= {f"diag/baseline_mse/{e}": 0.01 * (k + 1) for k, e in enumerate(rows)}
+        metrics |= {f"diag/grad_rel_var/{e}": 1.0 + k for k, e in enumerate(rows)}
+        metrics |= {"diag/grad_rel_var/ppo_gae": 9.0} if algo == "ppo" else {}
+        metrics |= {"diag/grad_cos/grpo": 0.5, "diag/v_star_mean": 0.3}  # not drawn
+    return StepReport(step, metrics, torch.zeros(4), torch.zeros(4), SimpleNamespace(), config)
 
 
-def fake_report(step, algo, B=3, G=4, T=5, steps=10):
-    config = TrainConfig(algo=algo, batch_prompts=B, group_size=G, steps=steps)
-    g = torch.Generator().manual_seed(step)
-    rewards = (torch.rand(B * G, generator=g) > 0.5).float()
-    mask = torch.ones(B * G, T, dtype=torch.long)
-    mask[:, -1] = 0
-    adv = torch.randn(B * G, T, generator=g) if algo == "ppo" else torch.randn(B * G, generator=g)
-    metrics = {"adv/gav": 0.1 * step, "adv/std": 1.0 + step}
-    return StepReport(step, metrics, rewards, adv, SimpleNamespace(completion_mask=mask), config)
+def _trace(live, axis, name):
+    found = [t for t in live.widget.data if t.xaxis == axis and t.name == name]
+    assert len(found) == 1, (axis, name, [(t.xaxis, t.name) for t in live.widget.data])
+    return found[0]
 
 
-def test_live_plot_grows_one_point_per_step():
-    live = plots.LivePlot()
-    assert isinstance(live.widget, go.FigureWidget)
-    assert len(live.widget.data) == 1  # the diagonal
-    for step in (1, 2, 3):
-        live(fake_report(step, "grpo"))
-        gav = [t for t in live.widget.data if t.name == "grpo" and t.xaxis == "x"][0]
-        assert list(gav.x) == list(range(1, step + 1))
-        assert list(gav.y) == pytest.approx([0.1 * s for s in range(1, step + 1)])
-        spread = [t for t in live.widget.data if t.name == "grpo" and t.xaxis == "x3"][0]
-        assert len(spread.x) == 3 * step  # B markers a step
-    assert not [t for t in live.widget.data if t.xaxis == "x4" and t.name != "y = x"]
-    for step in (1, 2):
-        report = fake_report(step, "ppo")
-        live(report)
-        std = [t for t in live.widget.data if t.name == "ppo" and t.xaxis == "x2"][0]
-        assert list(std.y) == [1.0 + s for s in range(1, step + 1)]
-    pair = [t for t in live.widget.data if t.xaxis == "x4" and t.name == "grpo"][0]
-    assert len(pair.x) == 2 * 3  # B prompts of steps 1 and 2, GRPO's spread on x
-    assert list(pair.y[-3:]) == pytest.approx(plots.group_std(report.advantages, 4,
-                                                              report.batch.completion_mask))
-    assert live.widget.layout.title.text == "ppo: step 2 of 10"
+def test_live_plot_grows_per_step_and_per_measurement():
+    live = live_figure.LivePlot()
+    assert isinstance(live.widget, go.FigureWidget) and not live.widget.data
+    for step in (1, 2, 3, 4):
+        live(fake_report(step, "grpo", diag=step % 2 == 0))
+        assert list(_trace(live, "x3", "grpo run").x) == list(range(1, step + 1))
+        assert list(_trace(live, "x4", "grpo run").y) == pytest.approx(
+            [0.1 * s for s in range(1, step + 1)])
+    mse = _trace(live, "x", "grpo run: rloo")
+    assert list(mse.x) == [2, 4] and list(mse.y) == pytest.approx([0.03, 0.03])
+    assert list(_trace(live, "x2", "grpo run: none").y) == [4.0, 4.0]
+    assert not [t for t in live.widget.data if "ppo_" in t.name or "grad_cos" in t.name]
+    live(fake_report(2, "ppo", diag=True))
+    assert list(_trace(live, "x", "ppo run: ppo_critic").y) == pytest.approx([0.05])
+    assert list(_trace(live, "x2", "ppo run: ppo_gae").y) == [9.0]
+    assert not [t for t in live.widget.data if t.xaxis == "x" and t.name.endswith("ppo_gae")]
+    assert live.widget.layout.title.text == "ppo run: step 2 of 10"
     static = live.static()
     assert type(static) is go.Figure and len(static.data) == len(live.widget.data)
-    assert list(static.data[1].x) == list(live.widget.data[1].x)
     live.reset()
-    assert len(live.widget.data) == 1
+    assert not live.widget.data
+
+
+def test_diag_points_reads_only_the_drawn_figures():
+    record = {"diag/baseline_mse/grpo": 0.1, "diag/grad_rel_var/ppo_gae": 2.0,
+              "diag/grad_cos/grpo": 0.9, "diag/baseline_bias/grpo": 0.0, "adv/gav": 1.0}
+    assert live_figure.diag_points(record) == {("baseline_mse", "grpo"): 0.1,
+                                               ("grad_rel_var", "ppo_gae"): 2.0}

@@ -8,7 +8,8 @@ in the notebook's run directory. Each training run writes its own folder inside 
 
 The wing's modules: `experiments` (run directories and training runs), `blocks` (notebook
 00's single-group helpers), `summaries` (rows, sentences, outputs), `widgets` (notebook
-03's controls), `plots` (figures), `runner` and `sweeps` (papermill runs of notebooks).
+03's controls), `plots` (figures), `live` (notebook 03's live figure), `runner` and
+`sweeps` (papermill runs of notebooks).
 """
 
 from labkit.lab.blocks import figure_records, group_summary, ppo_row_advantages, problem
@@ -16,12 +17,15 @@ from labkit.lab.experiments import (BUDGETS, NOTEBOOK_DEFAULTS, batch_prompts_fo
                                     fresh_dir, group_size_runs, histories, live_training,
                                     parse_list, project_root, resolve_run_dir, run_config,
                                     setup)
-from labkit.lab.summaries import (describe, describe_sweep, flat_summary, live_outputs,
-                                  state_mb, summary_rows, sweep_rows, write_outputs)
+from labkit.lab.summaries import (describe, describe_sweep, final_diagnostics, flat_summary,
+                                  live_outputs, state_mb, summary_rows, sweep_rows,
+                                  write_outputs)
 from labkit.lab.widgets import live_controls
 
 __all__ = ["BUDGETS", "NOTEBOOK_DEFAULTS", "batch_prompts_for", "compare", "describe",
-           "describe_sweep", "figure_records", "flat_summary", "fresh_dir", "group_size_runs",
-           "group_summary", "histories", "live_controls", "live_outputs", "live_training",
-           "parse_list", "ppo_row_advantages", "problem", "project_root", "resolve_run_dir",
-           "run_config", "setup", "state_mb", "summary_rows", "sweep_rows", "write_outputs"]
+           "describe_sweep", "figure_records", "final_diagnostics", "flat_summary",
+           "fresh_dir", "group_size_runs", "group_summary", "histories",
+           "live_controls", "live_outputs", "live_training", "parse_list",
+           "ppo_row_advantages", "problem", "project_root", "resolve_run_dir",
+           "run_config", "setup", "state_mb", "summary_rows", "sweep_rows",
+           "write_outputs"]

@@ -134,10 +134,13 @@ def group_size_runs(group_sizes: Sequence[int], budget: str, samples_per_step: i
 def live_training(live: Callable[[StepReport], None], *, run_dir: str | Path,
                   estimator: str = "grpo", seed: int = 0, **overrides) -> dict[str, RunResult]:
     """A GRPO run with `estimator`, then a PPO run of the same seed (same prompts each step),
-    both reporting every step to `live` (a `plots.LivePlot`); evaluation only before the first
-    and after the last step. Runs write `run_dir/<estimator>[-k]/` and `run_dir/ppo[-k]/`."""
+    both reporting every step to `live` (a `labkit.lab.live.LivePlot`); evaluation only
+    before the first and after the last step, and the estimator diagnostics every
+    `diag_every` steps when the overrides ask for them. A dead spell is recorded, not
+    stopped (`stop_when_dead=False`): the figure shows a collapse. Runs write
+    `run_dir/<estimator>[-k]/` and `run_dir/ppo[-k]/`."""
     steps = overrides.get("steps", TrainConfig.steps)
-    shared = dict(seed=seed, eval_every=steps, **overrides)
+    shared = {"stop_when_dead": False, **overrides, "seed": seed, "eval_every": steps}
     grpo = run_config(Path(run_dir) / estimator, algo="grpo", estimator=estimator, **shared)
     ppo = run_config(Path(run_dir) / "ppo", algo="ppo", **shared)
     return {estimator: train(grpo, callbacks=[live]), "ppo": train(ppo, callbacks=[live])}

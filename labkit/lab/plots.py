@@ -1,8 +1,8 @@
-"""Plotly figures for the notebooks, and a live figure that grows while training runs.
+"""Plotly figures for the notebooks.
 
 Every curve of a textbook formula is computed by labkit's own function (`losses.policy_loss`,
 `losses.kl`), so a figure shows what the trainer computes, not a re-derivation. Figures are
-plain `go.Figure`s; `LivePlot` wraps a `go.FigureWidget` and is itself a training callback.
+plain `go.Figure`s; notebook 03's live figure is `labkit.lab.live.LivePlot`.
 
 `setup()` makes every figure render as HTML with plotly.js embedded once per notebook (no CDN,
 no MathJax script), so an executed notebook converted with nbconvert reads offline.
@@ -242,107 +242,3 @@ class Table:
 
 def table(rows: Sequence[dict], columns: Sequence[str] | None = None, digits: int = 3) -> Table:
     return Table(rows, columns, digits)
-
-
-# ------------------------------------------------------------------ 03: live figure
-
-def group_std(values: torch.Tensor, group_size: int,
-              mask: torch.Tensor | None = None) -> list[float]:
-    """Std (divides by G) of each group's G values -> B floats. values (N,), or (N, T) reduced
-    first to each row's mean over its unmasked tokens (as `metrics.gav` does)."""
-    v = values.detach().float().cpu()
-    if v.dim() == 2:
-        m = mask.detach().cpu().bool()
-        v = torch.where(m, v, 0.0).sum(1) / m.sum(1).clamp(min=1)  # (N,)
-    return v.view(-1, group_size).std(1, correction=0).tolist()  # (B, G) -> (B,)
-
-
-def run_label(config) -> str:
-    """"ppo", or the GRPO estimator's name ("grpo", "dr_grpo", "rloo")."""
-    return "ppo" if config.algo == "ppo" else config.estimator
-
-
-LIVE_PANELS = ("GAV (within-group std of A)", "std of A over the batch",
-               "reward std of each group", "same prompts: within-group std of A")
-
-
-class LivePlot:
-    """A 2x2 `go.FigureWidget` that grows by one point per line per training step.
-
-    Call it with a `trainer.StepReport` (pass it in `callbacks=`). Panels: GAV and advantage
-    std per step (a line per run, shared axes, so GRPO and PPO runs of the same seed, hence
-    the same prompts each step, compare directly); each group's reward std (B markers a
-    step); and, once a GRPO-family and a PPO run have both reported step s, one marker per
-    prompt of step s at (GRPO's within-group advantage std, PPO's), with the diagonal.
-    `static()` returns a plain `go.Figure` copy for headless output.
-    """
-
-    def __init__(self, height: int = 640):
-        fig = make_subplots(rows=2, cols=2, subplot_titles=LIVE_PANELS,
-                            horizontal_spacing=0.1, vertical_spacing=0.14)
-        fig.update_layout(height=height, title="waiting for the first step",
-                          template=TEMPLATE)
-        fig.update_annotations(font_size=13)
-        for k in range(4):
-            fig.update_xaxes(title_text="step" if k < 3 else "GRPO", row=k // 2 + 1,
-                             col=k % 2 + 1)
-        fig.update_yaxes(title_text="PPO", row=2, col=2)
-        self.widget = go.FigureWidget(fig)
-        self.reset()
-
-    def reset(self) -> None:
-        """Remove every trace (before a new pair of runs)."""
-        self.widget.data = ()
-        self._index: dict[tuple[str, str], int] = {}
-        self._runs: list[str] = []  # in order of appearance: a run's color and marker shift
-        self._groups: dict[tuple[str, int], tuple[str, list[float]]] = {}
-        self._diagonal = self._trace("diagonal", "y = x", 4, mode="lines",
-                                     line=dict(color="gray", dash="dash"))
-        self._diagonal_max = 0.0
-
-    def _trace(self, panel: str, name: str, where: int, **style):
-        """The trace of `name` in `panel`, created (in panel `where` = 1..4) on first use."""
-        if (panel, name) not in self._index:
-            first = name not in self._runs
-            if first and panel != "diagonal":
-                self._runs.append(name)
-            i = self._runs.index(name) if name in self._runs else 0
-            style.setdefault("line", dict(color=color(i)))
-            style.setdefault("marker", dict(color=color(i), size=5, opacity=0.5))
-            self.widget.add_scatter(x=[], y=[], name=name, legendgroup=name, showlegend=first,
-                                    row=(where - 1) // 2 + 1, col=(where - 1) % 2 + 1, **style)
-            self._index[(panel, name)] = len(self.widget.data) - 1
-        return self.widget.data[self._index[(panel, name)]]
-
-    def _extend(self, panel: str, name: str, where: int, xs, ys, **style) -> None:
-        trace = self._trace(panel, name, where, **style)
-        trace.x = tuple(trace.x or ()) + tuple(xs)
-        trace.y = tuple(trace.y or ()) + tuple(ys)
-
-    def __call__(self, report) -> None:
-        config, step, m = report.config, report.step, report.metrics
-        name, G = run_label(config), config.group_size
-        mask = getattr(report.batch, "completion_mask", None)
-        spread = group_std(report.rewards, G)
-        kind = "ppo" if config.algo == "ppo" else "grpo"
-        self._groups[(kind, step)] = (name, group_std(report.advantages, G, mask))
-        with self.widget.batch_update():
-            self._extend("gav", name, 1, [step], [m["adv/gav"]], mode="lines")
-            self._extend("adv_std", name, 2, [step], [m["adv/std"]], mode="lines")
-            # the runs' markers side by side at each step, so equal spreads stay visible
-            shift = 0.12 if self._runs.index(name) % 2 else -0.12
-            self._extend("spread", name, 3, [step + shift] * len(spread), spread,
-                         mode="markers")
-            if ("grpo", step) in self._groups and ("ppo", step) in self._groups:
-                self._pair(step)
-            self.widget.layout.title.text = f"{name}: step {step} of {config.steps}"
-
-    def _pair(self, step: int) -> None:
-        (grpo_name, xs), (_, ys) = self._groups[("grpo", step)], self._groups[("ppo", step)]
-        self._extend("pair", grpo_name, 4, xs, ys, mode="markers")
-        self._diagonal_max = max([self._diagonal_max, *xs, *ys])
-        self._diagonal.x = self._diagonal.y = (0.0, self._diagonal_max)
-
-    def static(self) -> go.Figure:
-        """A plain figure with the current data (stays in a headless notebook's output)."""
-        return go.Figure(self.widget.to_dict())

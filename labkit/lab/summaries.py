@@ -50,7 +50,7 @@ def state_mb(config: TrainConfig) -> float:
 
 def summary_rows(results: Mapping[str, RunResult]) -> list[dict]:
     """One row per run: accuracy before/after, final reward, cost, the mean over steps of
-    KL, entropy, clip fractions, GAV and the advantage variance (missing keys left out), and
+    KL, entropy, clip fractions and GAV (missing keys left out), and
     whether the run was found dead (`dead_run` 1 or 0; `dead_step`, the step it was found)."""
     rows = []
     for name, result in results.items():
@@ -68,7 +68,6 @@ def summary_rows(results: Mapping[str, RunResult]) -> list[dict]:
                  "reuse_clip_total": "reuse/clip_total", "gav": "adv/gav",
                  "frac_zero_std": "rollout/frac_zero_std"}
         row |= {k: _mean(_values(h, key)) for k, key in means.items()}
-        row["adv_var"] = _mean([s * s for s in _values(h, "adv/std")])
         row["dead_run"] = int(result.dead is not None)
         if result.dead is not None:
             row["dead_step"] = result.dead["step"]
@@ -77,8 +76,12 @@ def summary_rows(results: Mapping[str, RunResult]) -> list[dict]:
 
 
 def sweep_rows(results: Mapping[str, RunResult]) -> list[dict]:
-    """`summary_rows` of a group-size sweep, with each run's budget (its name's prefix)."""
-    return [{"budget": row["run"].split("/")[0], **row} for row in summary_rows(results)]
+    """`summary_rows` of a group-size sweep, with each run's budget (its name's prefix) and
+    `adv_var`, the mean over steps of the advantages' variance: comparable across the G of
+    one estimator, not across estimators that normalise differently (PPO whitens to 1)."""
+    return [{"budget": name.split("/")[0], **row,
+             "adv_var": _mean([s * s for s in _values(results[name].history, "adv/std")])}
+            for name, row in zip(results, summary_rows(results))]
 
 
 def flat_summary(rows: Sequence[dict], **extra) -> dict:
@@ -173,10 +176,46 @@ def write_outputs(run_dir: str | Path, summary: Mapping,
     return summary_path, metrics_path
 
 
+def final_diagnostics(results: Mapping[str, RunResult]) -> dict:
+    """The last measurement of each run's diagnostics as stable keys: `baseline_mse/<e>` and
+    `grad_rel_var/<e>` (as trained) for the group estimators and `none` from the GRPO-family
+    run, for `ppo_critic` (and `ppo_gae`, gradient only) from the PPO run, with `diag_step`,
+    the step of that measurement. Runs without diagnostics add nothing."""
+    out = {}
+    for result in results.values():
+        critic = result.config.algo == "ppo"
+        measured = [r for r in result.history if "diag/v_star_mean" in r]
+        if not measured:
+            continue
+        last = measured[-1]
+        out["diag_step"] = last["step"]
+        for key, value in last.items():
+            figure, _, name = key.removeprefix("diag/").partition("/")
+            if figure in ("baseline_mse", "grad_rel_var") and name.startswith("ppo_") == critic:
+                out[f"{figure}/{name}"] = value
+    return out
+
+
+def describe_diagnostics(figures: Mapping[str, float]) -> str:
+    """A sentence from `final_diagnostics`: the estimators with the lowest and highest
+    gradient relative variance, and the closest baseline, at the last measurement."""
+    noise = {k.split("/", 1)[1]: v for k, v in figures.items() if k.startswith("grad_rel_var/")}
+    error = {k.split("/", 1)[1]: v for k, v in figures.items() if k.startswith("baseline_mse/")}
+    if not noise or not error:
+        return ""
+    clean, noisy = min(noise, key=noise.get), max(noise, key=noise.get)
+    close = min(error, key=error.get)
+    return (f"At step {figures['diag_step']} the cleanest gradient came from {clean} (relative "
+            f"variance {noise[clean]:.3g}), the noisiest from {noisy} ({noise[noisy]:.3g}); the "
+            f"closest baseline was {close} (MSE {error[close]:.3g} against V*).")
+
+
 def live_outputs(run_dir: str | Path, results: Mapping[str, RunResult], **params) -> dict:
-    """summary.json (params, every run's summary row, the sentence) and metrics.jsonl of a
-    live session; returns the summary."""
-    rows = summary_rows(results)
-    summary = flat_summary(rows, **params, description=describe(rows, params.get("eval_n", 0)))
+    """summary.json (params, every run's summary row, the final diagnostics of
+    `final_diagnostics`, the sentence) and metrics.jsonl of a live session; returns the
+    summary."""
+    rows, figures = summary_rows(results), final_diagnostics(results)
+    text = f"{describe(rows, params.get('eval_n', 0))} {describe_diagnostics(figures)}".strip()
+    summary = flat_summary(rows, **params, **figures, description=text)
     write_outputs(run_dir, summary, histories(results))
     return summary
