@@ -91,9 +91,9 @@ METRICS: dict[str, str] = {
 }
 
 
-_BASELINES = ("grpo", "dr_grpo", "rloo", "none", "ppo_critic")
+DIAG_BASELINES = ("grpo", "dr_grpo", "rloo", "none", "ppo_critic")
 """Baseline-error rows: the group estimators, none, and (PPO runs only) the critic's value."""
-_GRADIENTS = ("grpo", "dr_grpo", "rloo", "none", "ppo_critic", "ppo_gae")
+DIAG_GRADIENTS = ("grpo", "dr_grpo", "rloo", "none", "ppo_critic", "ppo_gae")
 """Gradient-noise rows; ppo_critic and ppo_gae exist only on a run with a critic."""
 _CRITIC_ONLY = " (PPO runs only: it needs the critic)"
 
@@ -102,15 +102,15 @@ def _diag_rows() -> dict[str, str]:
     """The `diag/` rows, logged on the steps a run measures (diag_every; docs/diagnostics.md)."""
     rows = {"diag/v_star_mean":
             "diagnostics: mean over the fixed prompts of V*(q), the mean reward of M completions"}
-    figures = (("baseline_mse", "mean over prompts of (b - V*)^2, b the baseline of", _BASELINES),
-               ("baseline_bias", "mean over prompts of b - V*, b the baseline of", _BASELINES),
+    figures = (("baseline_mse", "mean over prompts of (b - V*)^2, b the baseline of", DIAG_BASELINES),
+               ("baseline_bias", "mean over prompts of b - V*, b the baseline of", DIAG_BASELINES),
                ("grad_rel_var", "E||g - mean g||^2 / ||mean g||^2 over K batches (as trained) of",
-                _GRADIENTS),
+                DIAG_GRADIENTS),
                ("grad_rel_var_raw", "grad_rel_var without std scaling or whitening, of",
-                _GRADIENTS),
+                DIAG_GRADIENTS),
                ("grad_cos", "mean cosine of a batch's gradient (as trained) to the M-sample "
-                "reference gradient, for", _GRADIENTS),
-               ("grad_cos_raw", "grad_cos without std scaling or whitening, for", _GRADIENTS))
+                "reference gradient, for", DIAG_GRADIENTS),
+               ("grad_cos_raw", "grad_cos without std scaling or whitening, for", DIAG_GRADIENTS))
     for figure, text, names in figures:
         for name in names:
             tail = _CRITIC_ONLY if name.startswith("ppo_") else ""

@@ -260,3 +260,25 @@ def test_live_controls_rerun_into_fresh_folders(tmp_path, one_thread):
     assert json.loads((tmp_path / "summary.json").read_text())["dr_grpo/steps"] == 1
     assert [t.name for t in live.widget.data if t.xaxis == "x3"] == ["dr_grpo run", "ppo run"]
     assert panel.children[1].value.startswith(("dr_grpo went", "ppo went"))
+
+
+def test_final_diagnostics_take_each_row_from_its_run():
+    from types import SimpleNamespace
+
+    def run(algo, history):
+        return SimpleNamespace(config=SimpleNamespace(algo=algo), history=history)
+
+    grpo = run("grpo", [{"step": 0, "diag/v_star_mean": 0.2, "diag/baseline_mse/grpo": 0.5},
+                        {"step": 5, "diag/v_star_mean": 0.3, "diag/baseline_mse/grpo": 0.1,
+                         "diag/grad_rel_var/none": 4.0, "diag/grad_cos/none": 0.2},
+                        {"step": 6, "adv/gav": 0.4}])
+    ppo = run("ppo", [{"step": 5, "diag/v_star_mean": 0.3, "diag/baseline_mse/grpo": 0.9,
+                       "diag/baseline_mse/ppo_critic": 0.05, "diag/grad_rel_var/ppo_gae": 0.7}])
+    figures = lab.final_diagnostics({"grpo": grpo, "ppo": ppo})
+    assert figures == {"diag_step": 5, "baseline_mse/grpo": 0.1, "grad_rel_var/none": 4.0,
+                       "baseline_mse/ppo_critic": 0.05, "grad_rel_var/ppo_gae": 0.7}
+    text = lab.describe_diagnostics(figures)
+    assert text.startswith("At step 5 the cleanest gradient came from ppo_gae (relative "
+                           "variance 0.7), the noisiest from none (4)")
+    assert text.endswith("closest baseline was ppo_critic (MSE 0.05 against V*).")
+    assert lab.final_diagnostics({"grpo": run("grpo", [{"step": 1}])}) == {}

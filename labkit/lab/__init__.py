@@ -17,15 +17,14 @@ from labkit.lab.experiments import (BUDGETS, NOTEBOOK_DEFAULTS, batch_prompts_fo
                                     fresh_dir, group_size_runs, histories, live_training,
                                     parse_list, project_root, resolve_run_dir, run_config,
                                     setup)
-from labkit.lab.summaries import (describe, describe_sweep, final_diagnostics, flat_summary,
-                                  live_outputs, state_mb, summary_rows, sweep_rows,
-                                  write_outputs)
+from labkit.lab.summaries import (describe, describe_diagnostics, describe_sweep,
+                                  final_diagnostics, flat_summary, live_outputs, state_mb,
+                                  summary_rows, sweep_rows, write_outputs)
 from labkit.lab.widgets import live_controls
 
 __all__ = ["BUDGETS", "NOTEBOOK_DEFAULTS", "batch_prompts_for", "compare", "describe",
-           "describe_sweep", "figure_records", "final_diagnostics", "flat_summary",
-           "fresh_dir", "group_size_runs", "group_summary", "histories",
+           "describe_diagnostics", "describe_sweep", "figure_records", "final_diagnostics",
+           "flat_summary", "fresh_dir", "group_size_runs", "group_summary", "histories",
            "live_controls", "live_outputs", "live_training", "parse_list",
            "ppo_row_advantages", "problem", "project_root", "resolve_run_dir",
-           "run_config", "setup", "state_mb", "summary_rows", "sweep_rows",
-           "write_outputs"]
+           "run_config", "setup", "state_mb", "summary_rows", "sweep_rows", "write_outputs"]

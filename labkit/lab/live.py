@@ -18,16 +18,12 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from labkit.lab.plots import TEMPLATE, color
+from labkit.metric_table import DIAG_BASELINES, DIAG_GRADIENTS
 
-BASELINE_ROWS = ("grpo", "dr_grpo", "rloo", "none", "ppo_critic")
-"""Estimators with a baseline-error figure (`ppo_critic` on the PPO run only)."""
-GRADIENT_ROWS = BASELINE_ROWS + ("ppo_gae",)
-"""Estimators with a gradient-noise figure (`ppo_critic`, `ppo_gae` on the PPO run only)."""
-PANELS = ("baseline MSE against V* (lower: closer baseline)",
-          "gradient relative variance, as trained (lower: cleaner)",
-          "mean reward of the step's samples",
-          "GAV: counts groups with mixed rewards, not estimator noise")
-_FIGURES = (("baseline_mse", BASELINE_ROWS, 1), ("grad_rel_var", GRADIENT_ROWS, 2))
+PANELS = ("baseline MSE against V* (lower: closer)",
+          "gradient relative variance (lower: cleaner)",
+          "mean reward of the step's samples", "GAV: counts mixed groups, not noise")
+_FIGURES = (("baseline_mse", DIAG_BASELINES), ("grad_rel_var", DIAG_GRADIENTS))
 
 
 def run_label(config) -> str:
@@ -38,7 +34,7 @@ def run_label(config) -> str:
 def diag_points(record: dict) -> dict[tuple[str, str], float]:
     """(figure, estimator) -> value of the `diag/...` keys a metrics record holds."""
     return {(figure, name): record[f"diag/{figure}/{name}"]
-            for figure, names, _ in _FIGURES for name in names
+            for figure, names in _FIGURES for name in names
             if f"diag/{figure}/{name}" in record}
 
 
@@ -82,7 +78,7 @@ class LivePlot:
         dash = "dot" if run == "ppo" else "solid"
         for (figure, name), value in diag_points(record).items():
             panel = 1 if figure == "baseline_mse" else 2
-            style = dict(line=dict(color=color(GRADIENT_ROWS.index(name)), dash=dash),
+            style = dict(line=dict(color=color(DIAG_GRADIENTS.index(name)), dash=dash),
                          marker=dict(size=6))
             self._extend(panel, f"{run} run: {name}", step, value, **style)
 
@@ -116,4 +112,4 @@ class LivePlot:
         return go.Figure(self.widget.to_dict())
 
 
-__all__ = ["BASELINE_ROWS", "GRADIENT_ROWS", "PANELS", "LivePlot", "diag_points", "run_label"]
+__all__ = ["PANELS", "LivePlot", "diag_points", "run_label"]
