@@ -136,7 +136,8 @@ class TrainConfig:
     minibatches: int = bounded(1, ge=1)
     """Optimizer steps per pass: the N rows are split into this many minibatches."""
     grad_accum: int = bounded(1, ge=1)
-    """Micro-batches per minibatch, accumulated before the optimizer step (same result, less memory)."""
+    """Micro-batches per minibatch, accumulated before the optimizer step (same result, less
+    memory)."""
 
     # --- evaluation and runs -------------------------------------------------------------
     eval_every: int = bounded(100, ge=1)
@@ -184,8 +185,9 @@ class TrainConfig:
     stop_rules: str = ""
     """Stop early, with a checkpoint, when a logged metric misbehaves: rules separated by ';',
     each 'METRIC OP NUMBER [for COUNT]' with OP one of > >= < <= and METRIC a key of
-    labkit.metrics.METRICS, e.g. 'adv/gav>0.45 for 5; policy/kl>0.5'. COUNT (default 1)
-    consecutive records that log the metric must meet the condition. Blank: no rule."""
+    labkit.metrics.METRICS, e.g. 'rollout/truncated_frac>0.9 for 20; policy/kl>0.5'.
+    COUNT (default 1) consecutive records that log the metric must meet the condition.
+    Blank: no rule."""
     dead_steps: int = bounded(20, ge=0)
     """K: a run is dead after K consecutive steps in which no group has reward variance (all
     N rewards equal when group_size is 1) or nearly every completion hits max_new_tokens

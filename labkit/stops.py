@@ -10,8 +10,9 @@ checkpoint and says why. The rules are one string, `TrainConfig.stop_rules`:
     METRIC := a key of labkit.metrics.METRICS (eval/pass@k as its actual key, eval/pass@4)
     COUNT  := the condition must hold on COUNT consecutive records that log METRIC (default 1)
 
-e.g. `"adv/gav>0.45 for 5; policy/kl>0.5"`. A record without the metric (an evaluation
-metric between evaluations) neither counts nor breaks a streak; a NaN value breaks it.
+e.g. `"rollout/truncated_frac>0.9 for 20; policy/kl>0.5"`. A record without the metric (an
+evaluation metric between evaluations) neither counts nor breaks a streak; a NaN value breaks
+it.
 
 A dead run needs no rule: `DeadRunWatch` (on by default, `TrainConfig.dead_steps`) finds K
 consecutive steps without any learning signal and says why in one sentence (`Dead`).
@@ -79,8 +80,8 @@ def parse(text: str) -> list[StopRule]:
     """`TrainConfig.stop_rules` as rules; ValueError names the field, the rule and what is
     wrong with it (unknown metric names list the valid ones)."""
     if not isinstance(text, str):
-        raise ValueError(f"{FIELD} must be a string like 'adv/gav>0.45 for 5; policy/kl>0.5', "
-                         f"got {text!r}")
+        raise ValueError(f"{FIELD} must be a string like 'rollout/truncated_frac>0.9 for 20; "
+                         f"policy/kl>0.5', got {text!r}")
     rules = []
     for part in text.split(";"):
         if not part.strip():
@@ -93,7 +94,7 @@ def _parse_one(part: str) -> StopRule:
     match = _RULE.match(part)
     if match is None:
         raise ValueError(f"{FIELD}: {part!r} is not 'METRIC OP NUMBER [for COUNT]' with OP one "
-                         f"of {' '.join(OPS)}, e.g. 'adv/gav>0.45 for 5'")
+                         f"of {' '.join(OPS)}, e.g. 'rollout/truncated_frac>0.9 for 20'")
     metric, op = match["metric"], match["op"]
     if not known_metric(metric):
         valid = ", ".join(k for k in METRICS if k != "eval/pass@k")
