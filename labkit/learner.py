@@ -38,12 +38,29 @@ def make_accelerator(config: TrainConfig):
     device = resolve_device(config.device)
     if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)
-    precision = config.precision
-    if precision == "auto":
-        precision = "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
-    mixed = "bf16" if precision == "bf16" else "no"
+    mixed = "bf16" if resolve_precision(config.precision, device) == "bf16" else "no"
     _forget_other_precision(mixed)
     return Accelerator(cpu=device.type == "cpu", mixed_precision=mixed)
+
+
+def resolve_precision(precision: str, device: torch.device) -> str:
+    """The precision a run computes its update in: `precision`, or for "auto" bf16 on a CUDA
+    device that computes it natively and fp32 elsewhere."""
+    if precision != "auto":
+        return precision
+    return "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
+
+
+def machine(config: TrainConfig) -> dict:
+    """What a run's numbers depend on beyond its config, for config.json: the device, the
+    CPU's kernel capability (AVX2 and AVX-512 kernels round differently), torch's CPU threads
+    (they split the products' sums) and the precision the update runs in."""
+    from labkit.models import resolve_device
+
+    device = resolve_device(config.device)
+    return {"device": str(device), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "threads": torch.get_num_threads(),
+            "precision": resolve_precision(config.precision, device)}
 
 
 def _forget_other_precision(mixed: str) -> None:

@@ -154,10 +154,12 @@ def versions() -> dict[str, str | None]:
     return found
 
 
-def write_config(run_dir: Path, config: dict) -> None:
-    """config.json: every parameter, the package versions, the git commit, the command."""
+def write_config(run_dir: Path, config: dict, machine: dict | None = None) -> None:
+    """config.json: every parameter, the package versions, the git commit, the command, and
+    `machine` (labkit.learner.machine: device, CPU capability, threads, precision)."""
     record = {"config": config, "versions": versions(), "git_commit": git_commit(),
-              "argv": sys.argv, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+              "machine": machine or {}, "argv": sys.argv,
+              "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     _write_atomic(Path(run_dir) / "config.json", json.dumps(record, indent=2) + "\n")
 
 

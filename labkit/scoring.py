@@ -30,6 +30,7 @@ from torch import Tensor, nn
 
 from labkit import fast
 from labkit.losses import entropy as entropy_of
+from labkit.reproducible import select_cache_rows, select_rows
 from labkit.rollout import RolloutBatch, cache_keyword, cache_of, fast_decoder, model_decoder
 
 def sequences(batch: RolloutBatch, rows: Tensor | None = None):
@@ -77,10 +78,10 @@ def completion_outputs(run: Forward, batch: RolloutBatch, rows: Tensor | None = 
     prompt_mask = batch.prompt_mask[unique]  # (u, P)
     positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
     last, cache = run(batch.prompt_ids[unique], prompt_mask, positions, None, 1)  # (u, 1, ...)
-    first = last[inverse]  # (n, 1, ...): predicts completion token 0
+    first = select_rows(last, inverse)  # (n, 1, ...): predicts completion token 0
     if T == 1:
         return first
-    cache.batch_select_indices(inverse)  # (u, ...) -> (n, ...), differentiable
+    select_cache_rows(cache, inverse)  # (u, ...) -> (n, ...), differentiable
     mask = torch.cat([prompt_mask[inverse], batch.completion_mask[rows, :-1]], dim=1)
     start = prompt_mask.sum(-1)[inverse][:, None]  # (n, 1): the first completion position
     positions = start + torch.arange(T - 1, device=start.device)  # (n, T-1)

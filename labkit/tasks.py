@@ -8,7 +8,9 @@ grades the embedded tiny model also grades a real model.
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import itertools
 import json
 import random
 import re
@@ -48,9 +50,28 @@ class Problem:
         return record
 
 
+ENUMERABLE = 200_000
+"""Problem spaces up to this size can be listed whole: `ArithmeticTask.split_size` counts
+their splits, and a draw of more than 0.9 of a split's distinct problems lists it."""
+
+
 def split_bucket(key: str) -> int:
     """A stable number in [0, 100) for a problem: the split never depends on the seed."""
     return int(hashlib.sha256(key.encode()).hexdigest()[:8], 16) % 100
+
+
+@functools.lru_cache(maxsize=8)
+def _listed(digits: int, operands: int, ops: str, test_percent: int,
+            split: Split) -> tuple[tuple[tuple[int, ...], tuple[str, ...]], ...]:
+    """Every problem of a split as (numbers, ops), listed once per process."""
+    found = []
+    for numbers in itertools.product(range(10**digits), repeat=operands):
+        for chosen in itertools.product(ops, repeat=operands - 1):
+            expression = str(numbers[0]) + "".join(f"{o}{n}" for o, n in zip(chosen, numbers[1:]))
+            in_test = split_bucket(expression) < test_percent
+            if in_test == (split == "test"):
+                found.append((numbers, chosen))
+    return tuple(found)
 
 
 @dataclass(frozen=True)
@@ -125,6 +146,34 @@ class ArithmeticTask:
         expression = str(numbers[0]) + "".join(f"{o}{n}" for o, n in zip(ops, numbers[1:]))
         return expression, numbers, ops
 
+    def split_problems(self, split: Split) -> list[tuple[list[int], list[str]]]:
+        """Every (numbers, ops) of `split`, in a fixed order; only for a space of at most
+        ENUMERABLE problems."""
+        if self.num_problems > ENUMERABLE:
+            raise ValueError(f"the space of {self.num_problems} problems is too large to list "
+                             f"(at most {ENUMERABLE})")
+        listed = _listed(self.digits, self.operands, "".join(sorted(set(self.ops))),
+                         self.test_percent, split)
+        return [(list(numbers), list(ops)) for numbers, ops in listed]
+
+    def split_size(self, split: Split) -> int:
+        """How many problems `split` holds: counted where the space is small enough to list,
+        else the expected share of the space."""
+        if self.num_problems <= ENUMERABLE:
+            return len(self.split_problems(split))
+        share = self.test_percent if split == "test" else 100 - self.test_percent
+        return int(self.num_problems * share / 100)
+
+    def _enumerated(self, n: int, split: Split, seed: int) -> list[Problem]:
+        """`n` distinct problems of a small split (up to all of it), in an order drawn from
+        `seed`: drawing at random would take ever longer to find the last unseen ones."""
+        everything = self.split_problems(split)
+        if n > len(everything):
+            raise ValueError(f"n={n} distinct problems asked of a {split} split that holds "
+                             f"{len(everything)}: lower n or raise digits/operands")
+        random.Random(f"{seed}:{split}:all").shuffle(everything)
+        return [self.make(numbers, ops) for numbers, ops in everything[:n]]
+
     def sample(self, n: int, split: Split = "train", seed: int = 0,
                distinct: bool = False) -> list[Problem]:
         """`n` problems of `split`, drawn from `seed`; `distinct` forbids repeats."""
@@ -134,6 +183,8 @@ class ArithmeticTask:
             raise ValueError(f"n must be >= 0, got {n}")
         expected = self.num_problems * (self.test_percent if split == "test"
                                         else 100 - self.test_percent) / 100
+        if distinct and n > 0.9 * expected and self.num_problems <= ENUMERABLE:
+            return self._enumerated(n, split, seed)
         if distinct and n > 0.9 * expected:
             raise ValueError(f"n={n} distinct problems asked of a {split} split of about "
                              f"{int(expected)}: lower n or raise digits/operands")

@@ -32,8 +32,9 @@ from labkit.algos import Learner, StepOutput, grpo_step, ppo_step
 from labkit.config import TrainConfig, preflight
 from labkit.diagnose import RunDiagnostics
 from labkit.evaluation import run_eval
-from labkit.learner import (build_learner, learner_state, make_accelerator, restore_learner,
-                            update_count)
+from labkit.learner import (build_learner, learner_state, machine, make_accelerator,
+                            restore_learner, update_count)
+from labkit.reproducible import set_threads
 from labkit.rewards import RewardError
 from labkit.rollout import RolloutBatch, rollout
 from labkit.tasks import Problem, ProblemSource
@@ -217,9 +218,10 @@ def train(config: TrainConfig | None = None, *, resume: str | Path | None = None
         else:
             run_dir = rundir.new_run_dir(config.algo)
             lock = rundir.RunLock(run_dir)
+    set_threads(config.threads)
     try:
         if resume is None:
-            rundir.write_config(run_dir, config.to_dict())
+            rundir.write_config(run_dir, config.to_dict(), machine(config))
         elif (run_dir / STOPPED).is_file():
             raise ValueError(f"{run_dir} was stopped ({_stop_message(run_dir)}): "
                              "it is finished; start a new run to train further")

@@ -15,7 +15,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from labkit import lab
+from labkit import lab, stats
 
 REPO = Path(__file__).resolve().parents[1]
 NOTEBOOKS = REPO / "notebooks"
@@ -23,10 +23,10 @@ STEMS = ["00_building_blocks", "01_grpo_vs_ppo", "02_group_size_sweep",
          "03_advantage_variance_live"]
 REQUIRED = {
     "00_building_blocks": {"run_dir", "seed"},
-    "01_grpo_vs_ppo": {"run_dir", "seed", "steps", "batch_prompts", "group_size",
-                       "max_new_tokens", "lr", "eval_every", "eval_n", "algos"},
-    "02_group_size_sweep": {"run_dir", "seed", "steps", "group_sizes", "budget",
-                            "samples_per_step", "eval_every", "eval_n"},
+    "01_grpo_vs_ppo": {"run_dir", "seed", "seeds", "workers", "steps", "batch_prompts",
+                       "group_size", "max_new_tokens", "lr", "eval_every", "eval_n", "algos"},
+    "02_group_size_sweep": {"run_dir", "seed", "seeds", "workers", "steps", "group_sizes",
+                            "budget", "samples_per_step", "eval_every", "eval_n"},
     "03_advantage_variance_live": {"run_dir", "seed", "estimator", "group_size", "steps",
                                    "reward", "diag_every", "diag_prompts", "diag_batches",
                                    "diag_samples"},
@@ -90,18 +90,38 @@ def check_00(summary, records, params):
     assert {"reward", "advantage/rloo", "kl/k3", "surrogate/A=-1/dual clip c=3"} <= quantities
 
 
+def _seeded(arm: str, params: dict) -> list[str]:
+    """The run names of an arm: the arm itself for one seed, "<arm>/seed=<s>" for several."""
+    first, n = params["seed"][1], params["seeds"][1]
+    return [arm] if n == 1 else [f"{arm}/seed={s}" for s in range(first, first + n)]
+
+
+def _check_findings(summary: dict, count: int, seeds: int):
+    for k in range(1, count + 1):
+        assert summary[f"finding{k}/verdict"] in stats.VERDICTS
+        assert summary[f"finding{k}/seeds"] == seeds
+        assert summary[f"finding{k}/low"] <= summary[f"finding{k}/mean"] <= summary[f"finding{k}/high"]
+        assert summary[f"finding{k}/question"] in summary["description"]
+    assert f"finding{count + 1}/verdict" not in summary
+
+
 def check_01(summary, records, params):
     algos = params["algos"][1].split(",")
     assert summary["algos"] == params["algos"][1]
-    for algo in algos:
-        _check_run(summary, algo, params["steps"][1])
-        assert summary[f"{algo}/kl"] >= -1e-6 and summary[f"{algo}/entropy"] > 0
-        assert 0 <= summary[f"{algo}/clip_low"] <= 1 and 0 <= summary[f"{algo}/clip_high"] <= 1
-        assert f"{algo}/adv_var" not in summary  # whitened vs z-scored: not a comparison
-    assert summary["ppo/state_mb"] > summary["grpo/state_mb"]  # the critic
+    runs = [run for algo in algos for run in _seeded(algo, params)]
+    for run in runs:
+        _check_run(summary, run, params["steps"][1])
+        assert summary[f"{run}/kl"] >= -1e-6 and summary[f"{run}/entropy"] > 0
+        assert 0 <= summary[f"{run}/clip_low"] <= 1 and 0 <= summary[f"{run}/clip_high"] <= 1
+        assert f"{run}/adv_var" not in summary  # whitened vs z-scored: not a comparison
+    for grpo, ppo in zip(_seeded("grpo", params), _seeded("ppo", params)):
+        assert summary[f"{ppo}/state_mb"] > summary[f"{grpo}/state_mb"]  # the critic
+        assert summary[f"{ppo}/accuracy_before"] == summary[f"{grpo}/accuracy_before"]
     assert isinstance(summary["description"], str) and summary["description"]
-    assert {r["run"] for r in records} == set(algos)
-    assert {r["step"] for r in records if r["run"] == "ppo"} == set(range(params["steps"][1] + 1))
+    _check_findings(summary, 3, params["seeds"][1])
+    assert {r["run"] for r in records} == set(runs)
+    last = _seeded("ppo", params)[-1]
+    assert {r["step"] for r in records if r["run"] == last} == set(range(params["steps"][1] + 1))
 
 
 def check_02(summary, records, params):
@@ -109,14 +129,17 @@ def check_02(summary, records, params):
     assert summary["group_sizes"] == params["group_sizes"][1]
     budgets = ["samples", "prompts"] if params["budget"][1] == "both" else [params["budget"][1]]
     S = params["samples_per_step"][1]
+    runs = []
     for b in budgets:
         for G in sizes:
-            run = f"{b}/G={G}"
-            _check_run(summary, run, params["steps"][1])
-            assert summary[f"{run}/group_size"] == G and summary[f"{run}/adv_var"] >= 0
-            B = summary[f"{run}/batch_prompts"]
-            assert B * G == S if b == "samples" else B == S // max(sizes)
-    assert {r["run"] for r in records} == {f"{b}/G={G}" for b in budgets for G in sizes}
+            for run in _seeded(f"{b}/G={G}", params):
+                _check_run(summary, run, params["steps"][1])
+                assert summary[f"{run}/group_size"] == G and summary[f"{run}/adv_var"] >= 0
+                B = summary[f"{run}/batch_prompts"]
+                assert B * G == S if b == "samples" else B == S // max(sizes)
+                runs.append(run)
+    _check_findings(summary, 2 * len(budgets), params["seeds"][1])
+    assert {r["run"] for r in records} == set(runs)
 
 
 DIAG_ROWS = ("grpo", "dr_grpo", "rloo", "none", "ppo_critic")

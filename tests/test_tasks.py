@@ -193,9 +193,25 @@ def test_distinct_gives_no_repeats():
 
 def test_asking_more_distinct_problems_than_the_split_holds_raises():
     with pytest.raises(ValueError, match=r"\bn\b"):
-        DEFAULT_TASK.sample(DEFAULT_TASK.num_problems // 10 + 1, "test", distinct=True)
+        DEFAULT_TASK.sample(DEFAULT_TASK.split_size("test") + 1, "test", distinct=True)
     with pytest.raises(ValueError, match=r"\bn\b"):
         ArithmeticTask(digits=1, operands=2).sample(101, "train", distinct=True)
+
+
+@pytest.mark.parametrize("task", [DEFAULT_TASK, ArithmeticTask(digits=1, operands=3, ops="+-")])
+def test_a_whole_small_split_can_be_drawn(task):
+    """eval_n may ask for every held-out problem: the split is listed, counted exactly, and
+    drawn whole, in an order that depends on the seed."""
+    expressions = all_expressions(task.digits, task.operands, task.ops)
+    test_set = {e for e in expressions if task.split_of(e) == "test"}
+    assert task.split_size("test") == len(test_set)
+    assert task.split_size("train") == len(expressions) - len(test_set)
+    with time_limit(20):
+        whole = task.sample(len(test_set), "test", seed=0, distinct=True)
+    assert {p.prompt[:-1] for p in whole} == test_set and len(whole) == len(test_set)
+    assert all(p.answer == str(ref_value(*parse_prompt(p.prompt))) for p in whole[:50])
+    again = task.sample(len(test_set), "test", seed=1, distinct=True)
+    assert [p.prompt for p in again] != [p.prompt for p in whole]
 
 
 def test_small_split_below_its_estimate_raises_instead_of_hanging():

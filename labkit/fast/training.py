@@ -19,6 +19,7 @@ from torch import Tensor
 from labkit.fast.layer import (Attend, attention_bias, compute_dtype, eps_of, head_dims, layer,
                                rope_tables, weight32)
 from labkit.fast.support import decoder_stack, unsupported
+from labkit.reproducible import select_rows
 
 
 class FastCache:
@@ -29,7 +30,7 @@ class FastCache:
         self.layers = layers
 
     def batch_select_indices(self, index: Tensor) -> None:
-        self.layers = [(k[index], v[index]) for k, v in self.layers]
+        self.layers = [(select_rows(k, index), select_rows(v, index)) for k, v in self.layers]
 
 
 def _layer_weights(model, dtype) -> list[tuple]:

@@ -6,25 +6,30 @@ histories and ends with `write_outputs`, which leaves `summary.json` (a flat dic
 and short strings) and `metrics.jsonl` (every step record of every run, tagged with `run`)
 in the notebook's run directory. Each training run writes its own folder inside it.
 
-The wing's modules: `experiments` (run directories and training runs), `blocks` (notebook
-00's single-group helpers), `summaries` (rows, sentences, outputs), `widgets` (notebook
-03's controls), `plots` (figures), `live` (notebook 03's live figure), `runner` and
-`sweeps` (papermill runs of notebooks).
+The wing's modules: `experiments` (run directories and training runs, in parallel worker
+processes), `blocks` (notebook 00's single-group helpers), `summaries` (rows, sentences,
+outputs), `verdicts` (intervals over seeds and verdicts), `widgets` (notebook 03's
+controls), `plots` (figures), `live` (notebook 03's live figure), `runner` and `sweeps`
+(papermill runs of notebooks).
 """
 
 from labkit.lab.blocks import figure_records, group_summary, ppo_row_advantages, problem
 from labkit.lab.experiments import (BUDGETS, NOTEBOOK_DEFAULTS, batch_prompts_for, compare,
                                     fresh_dir, group_size_runs, histories, live_training,
-                                    parse_list, project_root, resolve_run_dir, run_config,
-                                    setup)
+                                    parse_list, project_root, resolve_run_dir, run_all,
+                                    run_config, seed_list, setup)
 from labkit.lab.summaries import (describe, describe_diagnostics, describe_sweep,
                                   final_diagnostics, flat_summary, live_outputs, state_mb,
                                   summary_rows, sweep_rows, write_outputs)
+from labkit.lab.verdicts import (Finding, arm_rows, describe_findings, findings_summary,
+                                 group_size_findings, grpo_vs_ppo)
 from labkit.lab.widgets import live_controls
 
-__all__ = ["BUDGETS", "NOTEBOOK_DEFAULTS", "batch_prompts_for", "compare", "describe",
-           "describe_diagnostics", "describe_sweep", "figure_records", "final_diagnostics",
-           "flat_summary", "fresh_dir", "group_size_runs", "group_summary", "histories",
-           "live_controls", "live_outputs", "live_training", "parse_list",
-           "ppo_row_advantages", "problem", "project_root", "resolve_run_dir",
-           "run_config", "setup", "state_mb", "summary_rows", "sweep_rows", "write_outputs"]
+__all__ = ["BUDGETS", "NOTEBOOK_DEFAULTS", "Finding", "arm_rows", "batch_prompts_for",
+           "compare", "describe", "describe_diagnostics", "describe_findings",
+           "describe_sweep", "figure_records", "final_diagnostics", "findings_summary",
+           "flat_summary", "fresh_dir", "group_size_findings", "group_size_runs",
+           "group_summary", "grpo_vs_ppo", "histories", "live_controls", "live_outputs",
+           "live_training", "parse_list", "ppo_row_advantages", "problem", "project_root",
+           "resolve_run_dir", "run_all", "run_config", "seed_list", "setup", "state_mb",
+           "summary_rows", "sweep_rows", "write_outputs"]

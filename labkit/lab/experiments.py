@@ -1,8 +1,9 @@
 """Training runs for the notebooks: where they write, and the experiments they run.
 
-`compare` trains several algorithms on the same prompts; `group_size_runs` sweeps GRPO's
-group size at an equal sample budget or prompt count; `live_training` runs GRPO and PPO
-side by side for a live figure. Each run writes its own folder inside the notebook's.
+`compare` trains several algorithms on the same prompts over paired seeds; `group_size_runs`
+sweeps GRPO's group size at an equal sample budget or prompt count; `live_training` runs
+GRPO and PPO side by side for a live figure. `run_all` runs a set of configs in parallel
+worker processes. Each run writes its own folder inside the notebook's.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from labkit.config import TrainConfig
 from labkit.trainer import RunResult, StepReport, train
 
 BUDGETS = ("samples", "prompts", "both")  # B*G fixed / B fixed / the two sweeps
-NOTEBOOK_DEFAULTS = dict(progress=False)  # no progress bars in notebook outputs
+# no progress bars in notebook outputs; one torch thread a run, so runs in parallel worker
+# processes give the same numbers as runs one after the other
+NOTEBOOK_DEFAULTS = dict(progress=False, threads=1)
 
 
 def setup(threads: int = 1) -> None:
@@ -77,20 +80,82 @@ def run_config(run_dir: str | Path, **values) -> TrainConfig:
     return TrainConfig(run_dir=str(fresh_dir(run_dir)), **{**NOTEBOOK_DEFAULTS, **values})
 
 
-def compare(algos: Iterable[str], *, run_dir: str | Path, seed: int = 0,
-            callbacks: Sequence[Callable[[StepReport], None]] = (),
-            **overrides) -> dict[str, RunResult]:
-    """Train each algorithm with the same config and seed, one after the other.
+def seed_list(seed: int, seeds: int) -> list[int]:
+    """The seeds of an experiment: `seed`, `seed + 1`, ..., `seeds` of them."""
+    if seeds < 1:
+        raise ValueError(f"seeds must be >= 1 (how many seeds each arm runs), got {seeds}")
+    return [seed + k for k in range(seeds)]
 
-    The same seed draws the same B prompts at every step for every algorithm, and both
-    sample B x G completions a step (PPO samples G per prompt too), so the runs see the same
-    prompts with the same sample budget. Each run writes `run_dir/<algo>/`.
+
+def run_name(arm: str, seed: int, seeds: Sequence[int]) -> str:
+    """"grpo" for a single seed, "grpo/seed=1" when an arm runs several."""
+    return arm if len(seeds) == 1 else f"{arm}/seed={seed}"
+
+
+def _train_one(config: TrainConfig) -> RunResult:
+    """A worker process's run (module level, so spawned workers can import it)."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    return train(config)
+
+
+def run_all(configs: Mapping[str, TrainConfig], *, workers: int = 0,
+            callbacks: Sequence[Callable[[StepReport], None]] = ()) -> dict[str, RunResult]:
+    """Train every config and return the results in the order given.
+
+    `workers` >= 1 runs each config in a fresh process (spawned: no state shared with the
+    caller, and a process's peak memory is its own run's), that many at a time, each on
+    `config.threads` torch threads (the notebooks give 1); 0 means one worker per CPU core, at
+    most one per run. A run that fails does not stop the others: their results are kept and
+    one RuntimeError names the failures at the end. Callbacks (live figures) need the runs in
+    this process: with callbacks, or a single config, the runs go one after the other here."""
+    if workers < 0:
+        raise ValueError(f"workers must be >= 0 (0: one per CPU core), got {workers}")
+    if callbacks or len(configs) <= 1:
+        return {name: train(config, callbacks=callbacks) for name, config in configs.items()}
+    import multiprocessing as mp
+    import os
+
+    workers = min(workers or os.cpu_count() or 1, len(configs))
+    names, results, failed = list(configs), {}, {}
+    context = mp.get_context("spawn")
+    with context.Pool(workers, maxtasksperchild=1) as pool:
+        pending = {name: pool.apply_async(_train_one, (configs[name],)) for name in names}
+        for k, name in enumerate(names, 1):
+            try:
+                results[name] = pending[name].get()
+            except Exception as e:  # noqa: BLE001 - reported with the others below
+                failed[name] = f"{type(e).__name__}: {e}"
+                continue
+            r = results[name]
+            print(f"[{len(results)}/{len(names)}] {name}: held-out accuracy "
+                  f"{r.accuracy_before:.3f} -> {r.accuracy_after:.3f} in {r.wall_s:.0f} s",
+                  flush=True)
+    if failed:
+        raise RuntimeError("runs failed (the others finished and wrote their folders): "
+                           + "; ".join(f"{name}: {why}" for name, why in failed.items()))
+    return {name: results[name] for name in names}
+
+
+def compare(algos: Iterable[str], *, run_dir: str | Path, seed: int = 0, seeds: int = 1,
+            workers: int = 0, callbacks: Sequence[Callable[[StepReport], None]] = (),
+            **overrides) -> dict[str, RunResult]:
+    """Train each algorithm on each seed with the same config (see `run_all` for `workers`).
+
+    Seeds are paired: seed s draws the same B prompts at every step for every algorithm, and
+    both sample B x G completions a step (PPO samples G per prompt too), so the arms of a seed
+    see the same prompts with the same sample budget. Each run writes
+    `run_dir/<algo>/` (one seed) or `run_dir/<algo>-seed<s>/`; see `run_name`.
     """
-    results = {}
-    for algo in algos:
-        config = run_config(Path(run_dir) / algo, algo=algo, seed=seed, **overrides)
-        results[algo] = train(config, callbacks=callbacks)
-    return results
+    chosen = seed_list(seed, seeds)
+    configs = {}
+    for s in chosen:
+        for algo in algos:
+            folder = algo if len(chosen) == 1 else f"{algo}-seed{s}"
+            configs[run_name(algo, s, chosen)] = run_config(Path(run_dir) / folder, algo=algo,
+                                                            seed=s, **overrides)
+    return run_all(configs, workers=workers, callbacks=callbacks)
 
 
 def batch_prompts_for(budget: str, group_size: int, samples_per_step: int,
@@ -111,24 +176,29 @@ def batch_prompts_for(budget: str, group_size: int, samples_per_step: int,
 
 
 def group_size_runs(group_sizes: Sequence[int], budget: str, samples_per_step: int, *,
-                    run_dir: str | Path, seed: int = 0, **overrides) -> dict[str, RunResult]:
-    """GRPO at each G, at an equal sample budget, an equal prompt count, or both.
+                    run_dir: str | Path, seed: int = 0, seeds: int = 1, workers: int = 0,
+                    **overrides) -> dict[str, RunResult]:
+    """GRPO at each G, at an equal sample budget, an equal prompt count, or both, on each seed
+    (paired: the same prompt stream for every G of a seed; `workers` as in `run_all`).
 
-    Run names are "<budget>/G=<G>" (e.g. "samples/G=4"); each writes `run_dir/<budget>-G<G>/`.
+    Run names are "<budget>/G=<G>" (e.g. "samples/G=4"), with "/seed=<s>" when there are
+    several seeds; each writes `run_dir/<budget>-G<G>[-seed<s>]/`.
     """
     if budget not in BUDGETS:
         raise ValueError(f"budget must be one of {BUDGETS}, got {budget!r}")
     if any(g < 2 for g in group_sizes):
         raise ValueError("GRPO needs every group size >= 2 to compare completions, got "
                          f"{list(group_sizes)}")
-    results = {}
-    for b in (("samples", "prompts") if budget == "both" else (budget,)):
-        for G in group_sizes:
-            B = batch_prompts_for(b, G, samples_per_step, group_sizes)
-            config = run_config(Path(run_dir) / f"{b}-G{G}", algo="grpo", seed=seed,
-                                group_size=G, batch_prompts=B, **overrides)
-            results[f"{b}/G={G}"] = train(config)
-    return results
+    chosen, configs = seed_list(seed, seeds), {}
+    for s in chosen:
+        for b in (("samples", "prompts") if budget == "both" else (budget,)):
+            for G in group_sizes:
+                B = batch_prompts_for(b, G, samples_per_step, group_sizes)
+                folder = f"{b}-G{G}" if len(chosen) == 1 else f"{b}-G{G}-seed{s}"
+                configs[run_name(f"{b}/G={G}", s, chosen)] = run_config(
+                    Path(run_dir) / folder, algo="grpo", seed=s, group_size=G,
+                    batch_prompts=B, **overrides)
+    return run_all(configs, workers=workers)
 
 
 def live_training(live: Callable[[StepReport], None], *, run_dir: str | Path,

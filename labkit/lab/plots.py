@@ -168,7 +168,8 @@ def metric_lines(histories: Mapping[str, Sequence[dict]], keys: Sequence[str], *
 
 def sweep_lines(rows: Sequence[dict], keys: Sequence[str], *, x: str = "group_size",
                 by: str = "budget", cols: int = 2, title: str | None = None) -> go.Figure:
-    """Summary figures against `x` (log2 axis for G), one subplot per key, a line per `by`."""
+    """Summary figures against `x` (log2 axis for G), one subplot per key, a line per `by`;
+    runs at the same `x` (seeds) are averaged."""
     groups: dict[str, list[dict]] = {}
     for row in rows:
         groups.setdefault(str(row.get(by, "")), []).append(row)
@@ -177,8 +178,12 @@ def sweep_lines(rows: Sequence[dict], keys: Sequence[str], *, x: str = "group_si
     for k, key in enumerate(keys):
         r, c = k // cols + 1, k % cols + 1
         for i, (name, members) in enumerate(groups.items()):
-            members = sorted((m for m in members if key in m), key=lambda m: m[x])
-            fig.add_scatter(x=[m[x] for m in members], y=[m[key] for m in members],
+            at: dict = {}  # x -> the values of its runs (one per seed)
+            for m in members:
+                if key in m:
+                    at.setdefault(m[x], []).append(m[key])
+            xs = sorted(at)
+            fig.add_scatter(x=xs, y=[sum(at[v]) / len(at[v]) for v in xs],
                             name=f"{by}: {name}", legendgroup=name, showlegend=k == 0,
                             mode="lines+markers", line=dict(color=color(i)), row=r, col=c)
         fig.update_xaxes(title_text=x, type="log", dtick=math.log10(2), row=r, col=c)
@@ -189,11 +194,13 @@ def sweep_lines(rows: Sequence[dict], keys: Sequence[str], *, x: str = "group_si
 def sweep_curves(histories: Mapping[str, Sequence[dict]], key: str, *,
                  xs: Sequence[str] = ("step", "samples"), title: str | None = None) -> go.Figure:
     """`key` of a group-size sweep: a row of panels per x ("step", "samples"), a column per
-    budget (the part of a run name before "/"), one line per G, colored by G."""
+    budget (the part of a run name before "/"), one line per run, colored by G (the seeds of
+    a G share its color)."""
     budgets = list(dict.fromkeys(name.split("/")[0] for name in histories))
     sizes = sorted({r["group_size"] for rs in histories.values() for r in rs[:1]})
     fig = make_subplots(rows=len(xs), cols=len(budgets), shared_yaxes=True,
                         subplot_titles=[f"{key} vs {x}, equal {b}" for x in xs for b in budgets])
+    shown: set[str] = set()  # one legend entry per G, whatever its seeds
     for row, x in enumerate(xs, start=1):
         for col, budget in enumerate(budgets, start=1):
             for name, records in histories.items():
@@ -201,8 +208,10 @@ def sweep_curves(histories: Mapping[str, Sequence[dict]], key: str, *,
                     continue
                 G = records[0]["group_size"]
                 px, py = _points(records, key, x)
+                first = row == 1 and col == 1 and f"G={G}" not in shown
+                shown.add(f"G={G}")
                 fig.add_scatter(x=px, y=py, name=f"G={G}", legendgroup=f"G={G}",
-                                showlegend=row == 1 and col == 1, mode="lines+markers",
+                                showlegend=first, mode="lines+markers",
                                 line=dict(color=color(sizes.index(G))), row=row, col=col)
             fig.update_xaxes(title_text=x, row=row, col=col)
     fig.update_layout(height=300 * len(xs) + 80, title=title)

@@ -49,7 +49,8 @@ def state_mb(config: TrainConfig) -> float:
 
 
 def summary_rows(results: Mapping[str, RunResult]) -> list[dict]:
-    """One row per run: accuracy before/after, final reward, cost, the mean over steps of
+    """One row per run (its `arm`, the name without "/seed=s", and its `seed`): accuracy
+    before/after and their difference (`gain`), final reward, cost, the mean over steps of
     KL, entropy, clip fractions and GAV (missing keys left out), and
     whether the run was found dead (`dead_run` 1 or 0; `dead_step`, the step it was found)."""
     rows = []
@@ -57,9 +58,11 @@ def summary_rows(results: Mapping[str, RunResult]) -> list[dict]:
         h, c = result.history, result.config
         rewards = _values(h, "rollout/reward_mean")
         tail = rewards[-max(1, len(rewards) // 5):]
-        row = {"run": name, "algo": c.algo, "group_size": c.group_size,
-               "batch_prompts": c.batch_prompts, "steps": result.steps,
+        row = {"run": name, "arm": name.split("/seed=")[0], "seed": c.seed, "algo": c.algo,
+               "group_size": c.group_size, "batch_prompts": c.batch_prompts,
+               "steps": result.steps, "eval_n": c.eval_n,
                "accuracy_before": result.accuracy_before, "accuracy_after": result.accuracy_after,
+               "gain": result.accuracy_after - result.accuracy_before,
                "final_reward": _mean(tail), "step_s": statistics.median(_values(h, "perf/step_s")),
                "mem_mb": max(_values(h, "perf/mem_mb")), "state_mb": state_mb(c),
                "wall_s": result.wall_s}
@@ -99,26 +102,49 @@ def _se(p: float, n: int) -> float:
     return math.sqrt(max(p * (1 - p), 0.0) / max(n, 1))
 
 
+def _arm_means(rows: Sequence[dict]) -> list[dict]:
+    """One row per arm (a row's `arm`, else its `run`): the mean over its seeds of accuracy
+    before and after, step time, state memory and zero-std fraction, and `seeds`, how
+    many."""
+    arms: dict[str, list[dict]] = {}
+    for row in rows:
+        arms.setdefault(row.get("arm", row["run"]), []).append(row)
+    out = []
+    for arm, members in arms.items():
+        mean = {k: statistics.fmean(r[k] for r in members)
+                for k in ("accuracy_before", "accuracy_after", "step_s", "state_mb",
+                          "frac_zero_std") if all(k in r for r in members)}
+        out.append({**members[0], **mean, "run": arm, "seeds": len(members)})
+    return out
+
+
 def describe(rows: Sequence[dict], eval_n: int) -> str:
-    """A sentence from the numbers: who ended with the higher held-out accuracy, by how much
-    against the noise of `eval_n` problems, and at what cost per step and in state memory."""
+    """A sentence from the numbers: each arm's held-out accuracy before and after (the mean
+    over its seeds), and what its step and training state cost. With one seed per arm it
+    also says whether the gap is beyond two binomial standard errors of `eval_n` problems,
+    which says nothing of the spread over seeds: the verdicts over seeds are
+    `labkit.lab.verdicts`'."""
     if not rows:
         return "No run finished."
-    ranked = sorted(rows, key=lambda r: r["accuracy_after"], reverse=True)
+    ranked = sorted(_arm_means(rows), key=lambda r: r["accuracy_after"], reverse=True)
     a = ranked[0]
+    seeds = f" (means over {a['seeds']} seeds)" if a["seeds"] > 1 else ""
     text = (f"{a['run']} went from held-out accuracy {a['accuracy_before']:.2f} to "
-            f"{a['accuracy_after']:.2f} in {a['steps']} steps of {a['batch_prompts']}x"
+            f"{a['accuracy_after']:.2f}{seeds} in {a['steps']} steps of {a['batch_prompts']}x"
             f"{a['group_size']} samples at {a['step_s']:.3f} s a step")
     if len(ranked) == 1:
         return text + "."
     b = ranked[-1]
-    diff = a["accuracy_after"] - b["accuracy_after"]
-    se = math.hypot(_se(a["accuracy_after"], eval_n), _se(b["accuracy_after"], eval_n))
-    verdict = "beyond" if diff > 2 * se else "within"
-    return (f"{text}; {b['run']} went from {b['accuracy_before']:.2f} to "
-            f"{b['accuracy_after']:.2f} at {b['step_s']:.3f} s a step. The gap of {diff:.2f} is "
-            f"{verdict} two standard errors ({2 * se:.2f}) of {eval_n} held-out problems. "
-            f"{_cost(a, b)}")
+    text += (f"; {b['run']} went from {b['accuracy_before']:.2f} to "
+             f"{b['accuracy_after']:.2f} at {b['step_s']:.3f} s a step.")
+    if max(r["seeds"] for r in ranked) == 1:
+        diff = a["accuracy_after"] - b["accuracy_after"]
+        se = math.hypot(_se(a["accuracy_after"], eval_n), _se(b["accuracy_after"], eval_n))
+        where = "beyond" if diff > 2 * se else "within"
+        text += (f" With one seed each, the gap of {diff:.2f} is {where} two standard errors "
+                 f"({2 * se:.2f}) of {eval_n} held-out problems, and says nothing of how it "
+                 "varies over seeds.")
+    return f"{text} {_cost(a, b)}"
 
 
 def _cost(a: dict, b: dict) -> str:
@@ -133,8 +159,10 @@ def _cost(a: dict, b: dict) -> str:
 
 def describe_sweep(rows: Sequence[dict], eval_n: int) -> str:
     """A sentence per budget of a group-size sweep: the best G, how the zero-std fraction
-    and the step time move from the smallest to the largest G."""
-    sentences = []
+    and the step time move from the smallest to the largest G (means over seeds; the
+    verdicts over seeds are `labkit.lab.verdicts.group_size_findings`')."""
+    sentences, rows = [], _arm_means(rows)
+    per = f"means over {rows[0]['seeds']} seeds; " if rows and rows[0]["seeds"] > 1 else ""
     for budget in dict.fromkeys(r["run"].split("/")[0] for r in rows):
         members = sorted((r for r in rows if r["run"].startswith(budget + "/")),
                          key=lambda r: r["group_size"])
@@ -144,7 +172,7 @@ def describe_sweep(rows: Sequence[dict], eval_n: int) -> str:
         spread = max(accuracies) - min(accuracies)
         sentences.append(
             f"At an equal {'sample budget' if budget == 'samples' else 'prompt count'}, "
-            f"G={best['group_size']} ended highest ({best['accuracy_after']:.2f}; the spread "
+            f"G={best['group_size']} ended highest ({per}{best['accuracy_after']:.2f}; the spread "
             f"over G is {spread:.2f} against a standard error of about "
             f"{_se(best['accuracy_after'], eval_n):.2f} per run); from G={lo['group_size']} to "
             f"G={hi['group_size']} the zero-std fraction went from {lo['frac_zero_std']:.2f} "

@@ -1,0 +1,149 @@
+"""What a comparison over seeds supports: intervals from scipy.stats, and a verdict.
+
+A figure is the mean over seeds with a 95% interval. With a handful of seeds the interval is
+Student's t over the per-seed values (`mean_interval`); a difference between two arms run on
+the same seeds (seed s gives every arm the same prompt stream) is the paired t interval of the
+per-seed differences (`paired_interval`), and a cost ratio the t interval of the per-seed log
+ratios, exponentiated (`ratio_interval`: a geometric mean). A held-out accuracy has its own
+binomial noise beside the seeds' (`binomial_se`). Every interval names its method.
+
+`verdict` reads an interval against a claim's threshold: `supported` when the whole interval
+lies on the claim's side, `refuted` when the whole of it lies on the other side, otherwise
+`inconclusive at this budget`. `min_detectable` says how large a difference a number of seeds
+can tell from nothing.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+SUPPORTED = "supported"
+REFUTED = "refuted"
+INCONCLUSIVE = "inconclusive at this budget"
+VERDICTS = (SUPPORTED, REFUTED, INCONCLUSIVE)
+
+
+@dataclass(frozen=True)
+class Interval:
+    """A mean over `n` units with its `confidence` interval [low, high], and how it was made.
+    With one unit there is no interval: low and high are NaN."""
+
+    mean: float
+    low: float
+    high: float
+    n: int
+    method: str
+    confidence: float = 0.95
+
+    def format(self, digits: int = 3, scale: float = 1.0, unit: str = "") -> str:
+        """'0.512 [0.47, 0.55]': the mean and its interval, times `scale`, with `unit`."""
+        if not math.isfinite(self.low):
+            return f"{self.mean * scale:.{digits}f}{unit} (one value, no interval)"
+        return (f"{self.mean * scale:.{digits}f}{unit} [{self.low * scale:.{digits}f}, "
+                f"{self.high * scale:.{digits}f}]")
+
+    def to_dict(self) -> dict:
+        return {"mean": self.mean, "low": self.low, "high": self.high, "n": self.n,
+                "method": self.method, "confidence": self.confidence}
+
+
+def _finite(values: Sequence[float], name: str) -> list[float]:
+    out = [float(v) for v in values]
+    if not out:
+        raise ValueError(f"{name} is empty: an interval needs at least one value")
+    if not all(math.isfinite(v) for v in out):
+        raise ValueError(f"{name} must be finite numbers, got {out}")
+    return out
+
+
+def _check_confidence(confidence: float) -> None:
+    if not 0 < confidence < 1:
+        raise ValueError(f"confidence must be in (0, 1), got {confidence}")
+
+
+def mean_interval(values: Sequence[float], confidence: float = 0.95,
+                  unit: str = "seeds") -> Interval:
+    """The mean of `values` (one per seed) with Student's t interval (n - 1 degrees of
+    freedom), from scipy.stats."""
+    from scipy import stats
+
+    _check_confidence(confidence)
+    xs = _finite(values, "values")
+    n, mean = len(xs), sum(xs) / len(xs)
+    method = f"t-interval over {n} {unit}"
+    if n == 1:
+        return Interval(mean, math.nan, math.nan, 1, f"one of {unit}: no interval", confidence)
+    sd = stats.tstd(xs)
+    if sd == 0:
+        return Interval(mean, mean, mean, n, method, confidence)
+    low, high = stats.t.interval(confidence, n - 1, loc=mean, scale=sd / math.sqrt(n))
+    return Interval(mean, float(low), float(high), n, method, confidence)
+
+
+def paired_interval(a: Sequence[float], b: Sequence[float], confidence: float = 0.95,
+                    unit: str = "seeds") -> Interval:
+    """The mean of a_i - b_i over pairs that share a seed, with the paired t interval."""
+    xs, ys = _finite(a, "a"), _finite(b, "b")
+    if len(xs) != len(ys):
+        raise ValueError(f"a and b must pair up one value per seed, got {len(xs)} and {len(ys)}")
+    found = mean_interval([x - y for x, y in zip(xs, ys)], confidence, unit)
+    method = f"paired t over {found.n} {unit}" if found.n > 1 else found.method
+    return Interval(found.mean, found.low, found.high, found.n, method, confidence)
+
+
+def ratio_interval(a: Sequence[float], b: Sequence[float], confidence: float = 0.95,
+                   unit: str = "seeds") -> Interval:
+    """The geometric mean of a_i / b_i over paired seeds, with the t interval of the log
+    ratios exponentiated (a ratio of costs: step time, memory). Values must be > 0."""
+    xs, ys = _finite(a, "a"), _finite(b, "b")
+    if len(xs) != len(ys):
+        raise ValueError(f"a and b must pair up one value per seed, got {len(xs)} and {len(ys)}")
+    if min(xs + ys) <= 0:
+        raise ValueError("a ratio interval needs positive values")
+    logs = mean_interval([math.log(x / y) for x, y in zip(xs, ys)], confidence, unit)
+    method = (f"t-interval of log ratios over {logs.n} {unit}, exponentiated"
+              if logs.n > 1 else logs.method)
+    low, high = (math.exp(logs.low), math.exp(logs.high)) if logs.n > 1 else (math.nan, math.nan)
+    return Interval(math.exp(logs.mean), low, high, logs.n, method, confidence)
+
+
+def binomial_se(p: float, n: int) -> float:
+    """Standard error of an accuracy p measured on n problems: sqrt(p (1 - p) / n)."""
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    return math.sqrt(max(p * (1 - p), 0.0) / n)
+
+
+def verdict(interval: Interval, *, above: float | None = None,
+            below: float | None = None) -> str:
+    """Whether `interval` supports a claim that the effect lies above `above` (or below
+    `below`; give exactly one): `supported` when the whole interval is on the claim's side,
+    `refuted` when the whole of it is on the other side (touching the threshold counts as
+    the other side), `inconclusive at this budget` when it straddles the threshold or has no
+    width (one seed)."""
+    if (above is None) == (below is None):
+        raise ValueError("give exactly one of above= or below=")
+    if not (math.isfinite(interval.low) and math.isfinite(interval.high)):
+        return INCONCLUSIVE
+    if above is not None:
+        if interval.low > above:
+            return SUPPORTED
+        return REFUTED if interval.high <= above else INCONCLUSIVE
+    if interval.high < below:
+        return SUPPORTED
+    return REFUTED if interval.low >= below else INCONCLUSIVE
+
+
+def min_detectable(sd: float, n: int, confidence: float = 0.95, power: float = 0.8) -> float:
+    """The smallest true mean difference that `n` paired seeds with per-seed spread `sd` find
+    (interval clear of 0) with probability `power`: (t_{1-a/2} + t_{power}) sd / sqrt(n), the
+    t approximation, n - 1 degrees of freedom."""
+    from scipy import stats
+
+    _check_confidence(confidence)
+    if n < 2:
+        raise ValueError(f"n must be >= 2 to estimate a spread, got {n}")
+    t = stats.t.ppf(1 - (1 - confidence) / 2, n - 1) + stats.t.ppf(power, n - 1)
+    return float(t * sd / math.sqrt(n))

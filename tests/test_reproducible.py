@@ -1,0 +1,63 @@
+"""Same config, same machine, same thread count: the same metrics, bit for bit."""
+
+import json
+
+import pytest
+import torch
+
+from labkit.config import TrainConfig
+from labkit.reproducible import select_rows
+from labkit.rundir import read_metrics
+from labkit.trainer import train
+
+
+def _grads(fn, x, index, upstream):
+    x = x.detach().clone().requires_grad_(True)
+    (fn(x, index) * upstream).sum().backward()
+    return x.grad
+
+
+def test_select_rows_matches_indexing_and_repeats_bit_for_bit():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(32, 4, 7, 32, generator=g)
+    index = torch.arange(32).repeat_interleave(8)[torch.randperm(256, generator=g)]
+    upstream = torch.randn(256, 4, 7, 32, generator=g)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert torch.equal(select_rows(x, index), x[index])
+        ours = _grads(select_rows, x, index, upstream)
+        theirs = _grads(lambda t, i: t[i], x, index, upstream)
+        torch.testing.assert_close(ours, theirs)  # the same sums, up to their order
+        for _ in range(20):  # index_put's atomic adds differ here from call to call
+            assert torch.equal(_grads(select_rows, x, index, upstream), ours)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _metrics(run_dir):
+    return [{k: v for k, v in r.items() if not k.startswith("perf/")}
+            for r in read_metrics(run_dir / "metrics.jsonl")]
+
+
+@pytest.mark.parametrize("algo", ["grpo", "ppo"])
+def test_two_threaded_runs_log_the_same_metrics(tmp_path, algo):
+    """Two runs at 2 threads: before the shared-prompt gather's backward added in index order,
+    they parted at step 2 (the KV cache's gradient came from atomic adds)."""
+    threads = torch.get_num_threads()
+    try:
+        runs = []
+        for k in range(2):
+            config = TrainConfig(algo=algo, steps=4, batch_prompts=32, group_size=8,
+                                 num_iterations=2, eval_every=4, eval_n=32, eval_samples=0,
+                                 cgc_prompts=0, threads=2, progress=False,
+                                 run_dir=str(tmp_path / f"run{k}"))
+            runs.append(train(config).run_dir)
+    finally:
+        torch.set_num_threads(threads)
+    first, second = _metrics(runs[0]), _metrics(runs[1])
+    assert len(first) == 5 and first == second
+    machine = json.loads((runs[0] / "config.json").read_text())["machine"]
+    assert machine["threads"] == 2
+    assert machine["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert machine["precision"] == "fp32" and machine["device"] == "cpu"
