@@ -6,6 +6,7 @@ run    execute a notebook with papermill into a new run directory (`-p NAME VALU
        against its parameters cell first)
 sweep  run a notebook over the parameter grid and seeds of experiments/NAME.yaml
 diagnose  baseline error and gradient noise of each advantage estimator on one policy
+findings  docs/findings.md from the finished runs of experiments/claims/
 bench  time the GRPO step, rollout and memory against TRL, model.generate and PPO
 """
 
@@ -216,6 +217,27 @@ def _sweep_parser(sub) -> None:
                      help="check the YAML against the notebook and list the runs; run nothing")
 
 
+def _findings_parser(sub) -> None:
+    cmd = sub.add_parser("findings", help="write docs/findings.md from the finished claim runs",
+                         description="Read every claim of experiments/claims/ and the "
+                                     "summaries of its finished runs, and write the findings "
+                                     "page: each claim's effect, 95%% interval, seeds and "
+                                     "verdict.")
+    cmd.add_argument("--out", default="docs/findings.md", help="the page to write "
+                                                               "(default: docs/findings.md)")
+    cmd.add_argument("--claims", default="experiments/claims",
+                     help="folder of claim YAML files (default: experiments/claims)")
+    cmd.add_argument("--root", default=None, help="runs root (default: experiments/runs)")
+    cmd.add_argument("--smoke", action="store_true", help="read the claims' smoke runs")
+
+
+def run_findings_command(args) -> int:
+    from labkit.lab.findings import write_findings
+
+    print(write_findings(args.out, args.claims, args.root, smoke=args.smoke))
+    return 0
+
+
 def run_notebook_command(args) -> int:
     from labkit.lab.runner import REPORT, RunFailed, read_summary, run_notebook
 
@@ -302,6 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     _run_parser(sub)
     _sweep_parser(sub)
     _diagnose_parser(sub)
+    _findings_parser(sub)
     from labkit.bench import add_parser as _bench_parser
 
     _bench_parser(sub)
@@ -311,6 +334,8 @@ def main(argv: list[str] | None = None) -> int:
             return run_notebook_command(args)
         if args.command == "sweep":
             return run_sweep_command(args)
+        if args.command == "findings":
+            return run_findings_command(args)
         if args.command == "bench":
             from labkit.bench import main_bench
 

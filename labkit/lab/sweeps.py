@@ -11,6 +11,11 @@ The YAML (its schema is repeated at the top of each file in experiments/):
       parameters: {steps: 4}     #   a fixed value replacing a grid entry and vice versa,
       grid: {group_size: [4]}    #   and seeds replacing seeds
       seeds: [0]
+    claim:                       # experiments/claims/ only: the claim the runs test
+      id: 1                      #   (labkit.lab.findings reads it; the sweep ignores it)
+      statement: GRPO's step costs less time and memory than PPO's
+      source: the article's title
+      findings: [2, 3]           #   which of the notebook's findings answer it (default: all)
 
 Every value is checked against the notebook's parameters cell before any run starts.
 The run id is the grid values and the seed, `group_size=4,seed=1`, so it is the same on every
@@ -37,8 +42,9 @@ from labkit.lab.runner import (PARAMETERS_FILE, RUNNER_OWNED, RunFailed, check_c
                            check_value, execute, finite_or_none, is_number,
                            notebook_parameters, read_summary, unknown_names)
 
-KEYS = ("notebook", "name", "parameters", "grid", "seeds", "smoke")
+KEYS = ("notebook", "name", "parameters", "grid", "seeds", "smoke", "claim")
 SMOKE_KEYS = ("parameters", "grid", "seeds")
+CLAIM_KEYS = ("id", "statement", "source", "findings")
 CSV_NAME = "sweep.csv"
 PLOT_NAME = "comparison.html"
 INCOMPLETE = ".incomplete"
@@ -53,6 +59,8 @@ class Sweep:
     parameters: dict
     grid: dict[str, list]
     seeds: list[int]
+    claim: dict = field(default_factory=dict)
+    """experiments/claims/: the claim the sweep tests (labkit.lab.findings); {} otherwise."""
 
 
 @dataclass
@@ -114,7 +122,10 @@ def load_sweep(path: str | Path, smoke: bool = False) -> Sweep:
     if not notebook.is_file():
         raise FileNotFoundError(f"{where}: notebook {spec['notebook']} (relative to the YAML "
                                 f"file) not found at {notebook}")
-    return _checked(Sweep(notebook, name, parameters, grid, seeds), where)
+    claim = dict(_mapping(spec.get("claim") or {}, f"{where}: claim", CLAIM_KEYS))
+    checked = _checked(Sweep(notebook, name, parameters, grid, seeds), where)
+    checked.claim = claim
+    return checked
 
 
 def _mapping(value, where: str, allowed: tuple = ()) -> dict:

@@ -172,13 +172,15 @@ def describe_findings(findings: Sequence[Finding], digits: int = 3) -> str:
 
 
 def findings_summary(findings: Sequence[Finding]) -> dict:
-    """summary.json's entries for the findings: finding<k>/{question, verdict, mean, low,
-    high, seeds, method} (low and high only where there is an interval)."""
+    """summary.json's entries for the findings: finding<k>/{question, measure, verdict, mean,
+    low, high, seeds, method, threshold, direction} (low and high only where there is an
+    interval); `labkit.lab.findings` reads them back."""
     out = {}
     for k, f in enumerate(findings, 1):
-        out |= {f"finding{k}/question": f.question, f"finding{k}/verdict": f.verdict,
-                f"finding{k}/mean": f.interval.mean, f"finding{k}/seeds": f.interval.n,
-                f"finding{k}/method": f.interval.method}
+        out |= {f"finding{k}/question": f.question, f"finding{k}/measure": f.measure,
+                f"finding{k}/verdict": f.verdict, f"finding{k}/mean": f.interval.mean,
+                f"finding{k}/seeds": f.interval.n, f"finding{k}/method": f.interval.method,
+                f"finding{k}/threshold": f.threshold, f"finding{k}/direction": f.direction}
         if math.isfinite(f.interval.low):  # one seed has no interval
             out |= {f"finding{k}/low": f.interval.low, f"finding{k}/high": f.interval.high}
     return out

@@ -1,0 +1,160 @@
+"""docs/findings.md from finished claim sweeps: each claim's verdicts over seeds.
+
+A claim is a sweep file in `experiments/claims/` with a `claim:` block (`labkit.lab.sweeps`):
+its id, the statement in the project's own words, the source article's title, and which of
+the notebook's findings answer it. `python -m labkit sweep experiments/claims/FILE.yaml`
+runs it; each finished run's `summary.json` carries the notebook's findings
+(`labkit.lab.verdicts.findings_summary`: question, measure, mean, interval, seeds, method,
+threshold). `python -m labkit findings` reads them and writes the page: a row per finding
+with its effect, 95% interval, seeds, method, the CPU kinds its runs were measured on and the
+verdict, recomputed here from the stored interval by `labkit.stats.verdict`, and the
+commands that regenerate it. A claim whose runs have not finished is listed as not run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from labkit import stats
+
+CLAIMS_DIR = Path("experiments") / "claims"
+FINDINGS_PAGE = Path("docs") / "findings.md"
+
+
+@dataclass
+class ClaimResult:
+    """What the finished runs of one claim sweep found."""
+
+    file: Path
+    claim: dict
+    rows: list[dict] = field(default_factory=list)
+    machines: set[str] = field(default_factory=set)
+    runs_done: int = 0
+    runs_total: int = 0
+    compute_s: float = 0.0
+
+
+def _finding_numbers(summary: dict) -> list[int]:
+    return sorted(int(k[len("finding"):].split("/")[0]) for k in summary
+                  if k.startswith("finding") and k.endswith("/verdict"))
+
+
+def finding_row(summary: dict, k: int, run_id: str) -> dict:
+    """Finding k of a summary.json as a table row, its verdict recomputed from its interval
+    and threshold."""
+    get = summary.get
+    mean, low, high = get(f"finding{k}/mean"), get(f"finding{k}/low"), get(f"finding{k}/high")
+    seeds = int(get(f"finding{k}/seeds", 0))
+    interval = stats.Interval(mean, math.nan if low is None else low,
+                              math.nan if high is None else high, seeds,
+                              get(f"finding{k}/method", ""))
+    threshold, direction = get(f"finding{k}/threshold"), get(f"finding{k}/direction", "above")
+    if threshold is None:
+        verdict = get(f"finding{k}/verdict", stats.INCONCLUSIVE)
+    else:
+        side = {"above": threshold} if direction == "above" else {"below": threshold}
+        verdict = stats.verdict(interval, **side)
+    return {"run": run_id, "question": get(f"finding{k}/question", ""),
+            "measure": get(f"finding{k}/measure", ""), "effect": interval.format(3),
+            "seeds": seeds, "method": interval.method, "verdict": verdict}
+
+
+def _machines(run_path: Path) -> set[str]:
+    """'AVX512, 1 thread' and the like, from the config.json of every training run."""
+    kinds = set()
+    for path in run_path.rglob("config.json"):
+        try:
+            machine = json.loads(path.read_text(encoding="utf-8")).get("machine") or {}
+        except (OSError, ValueError):
+            continue
+        if machine.get("cpu_capability"):
+            threads = machine.get("threads")
+            kinds.add(f"{machine['cpu_capability']}, {threads} thread{'s' * (threads != 1)}")
+    return kinds
+
+
+def collect(claims_dir: str | Path = CLAIMS_DIR, root: str | Path | None = None,
+            smoke: bool = False) -> list[ClaimResult]:
+    """Every claim of `claims_dir` with the findings of its finished runs under `root`."""
+    from labkit.lab.sweeps import load_sweep, plan
+    from labkit.rundir import RUNS_ROOT
+
+    root = Path(RUNS_ROOT if root is None else root)
+    files = sorted(Path(claims_dir).glob("*.yaml"))
+    if not files:
+        raise FileNotFoundError(f"no claim files (*.yaml) in {claims_dir}")
+    results = []
+    for file in files:
+        sweep = load_sweep(file, smoke=smoke)
+        if not sweep.claim:
+            raise ValueError(f"{file.name} has no `claim:` block: it is a sweep, not a claim")
+        result = ClaimResult(file, sweep.claim)
+        runs = plan(sweep, root)
+        result.runs_total = len(runs)
+        for run in runs:
+            if run.status != "done":
+                continue
+            result.runs_done += 1
+            wanted = sweep.claim.get("findings") or _finding_numbers(run.summary)
+            result.rows += [finding_row(run.summary, k, run.id) for k in wanted
+                            if f"finding{k}/verdict" in run.summary]
+            result.machines |= _machines(run.path)
+            result.compute_s += sum(v for key, v in run.summary.items()
+                                    if key.endswith("/wall_s") and isinstance(v, (int, float)))
+        results.append(result)
+    return sorted(results, key=lambda r: r.claim.get("id", 0))
+
+
+def _cell(text) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def render(results: list[ClaimResult], commit: str | None, smoke: bool = False) -> str:
+    """The findings page as markdown."""
+    flag = " --smoke" if smoke else ""
+    lines = ["# Findings", "",
+             "The source articles' claims, each run as an experiment over paired seeds, with a "
+             "95% interval and a verdict: `supported` (the whole interval on the claim's side), "
+             "`refuted` (the whole of it on the other side) or `inconclusive at this budget`. "
+             "Generated by `python -m labkit findings` from the finished runs; do not edit by "
+             "hand.", "",
+             f"- commit: `{commit or 'unknown'}`",
+             f"- regenerate: `python -m labkit sweep experiments/claims/<file>{flag}` for each "
+             f"claim below, then `python -m labkit findings{flag}`", ""]
+    lines += ["| claim | source | measured | effect [95% CI] | seeds | method | machine | verdict |",
+              "|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        head = f"{r.claim.get('id', '?')}. {r.claim.get('statement', '')}"
+        machine = "; ".join(sorted(r.machines)) or "-"
+        if not r.rows:
+            lines.append(f"| {_cell(head)} | {_cell(r.claim.get('source', ''))} | not run yet "
+                         f"({r.runs_done} of {r.runs_total} runs) | | | | | |")
+            continue
+        for row in r.rows:
+            where = "" if row["run"] == "seed=0" else f" ({row['run']})"
+            lines.append(f"| {_cell(head)} | {_cell(r.claim.get('source', ''))} | "
+                         f"{_cell(row['question'])}: {_cell(row['measure'])}{_cell(where)} | "
+                         f"{row['effect']} | {row['seeds']} | {_cell(row['method'])} | "
+                         f"{_cell(machine)} | **{row['verdict']}** |")
+    lines += ["", "## Commands and compute", ""]
+    for r in results:
+        hours = r.compute_s / 3600
+        lines.append(f"- claim {r.claim.get('id', '?')}: `python -m labkit sweep "
+                     f"{CLAIMS_DIR.as_posix()}/{r.file.name}{flag}`; {r.runs_done} of "
+                     f"{r.runs_total} runs finished, {hours:.2f} h of training runs' wall time")
+    return "\n".join(lines) + "\n"
+
+
+def write_findings(out: str | Path = FINDINGS_PAGE, claims_dir: str | Path = CLAIMS_DIR,
+                   root: str | Path | None = None, smoke: bool = False) -> Path:
+    """Collect the claims' findings and write the page to `out`."""
+    from labkit.rundir import git_commit
+
+    out = Path(out)
+    text = render(collect(claims_dir, root, smoke), git_commit(), smoke)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text, encoding="utf-8")
+    return out

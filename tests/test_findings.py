@@ -1,0 +1,101 @@
+"""docs/findings.md is generated from finished runs: the page from a fixture of summaries,
+its verdicts recomputed from the stored intervals."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from labkit import stats
+from labkit.__main__ import main
+from labkit.lab import findings, verdicts
+from labkit.lab.sweeps import load_sweep
+
+REPO = Path(__file__).resolve().parents[1]
+
+CLAIM = """notebook: {notebook}
+name: claim_fixture
+parameters: {{algos: "grpo,ppo", seeds: 3, steps: 3}}
+seeds: [0]
+claim:
+  id: 7
+  statement: "the fixture's claim"
+  source: "an article"
+  findings: [1, 2, 3]
+"""
+
+
+def _finding(question, low, high, stored_verdict, threshold=0.0, n=3):
+    interval = stats.Interval((low + high) / 2, low, high, n, f"paired t over {n} seeds")
+    f = verdicts.Finding(question, "points", interval, threshold, "above", stored_verdict)
+    return f
+
+
+@pytest.fixture
+def finished(tmp_path):
+    claims, root = tmp_path / "claims", tmp_path / "runs"
+    claims.mkdir()
+    notebook = REPO / "notebooks" / "01_grpo_vs_ppo.ipynb"
+    (claims / "07_fixture.yaml").write_text(CLAIM.format(notebook=notebook))
+    shutil.copy(REPO / "experiments" / "claims" / "01_cost.yaml", claims / "01_cost.yaml")
+    (claims / "01_cost.yaml").write_text((claims / "01_cost.yaml").read_text().replace(
+        "../../notebooks/", str(REPO / "notebooks") + "/"))
+    run = root / "claim_fixture" / "seed=0"
+    (run / "grpo-seed0").mkdir(parents=True)
+    found = [_finding("wide", -1.0, 3.0, stats.INCONCLUSIVE),
+             _finding("clear", 0.5, 2.0, stats.SUPPORTED),
+             # stored as supported, but its interval lies below the threshold: recomputed
+             _finding("wrong label", -2.0, -0.5, stats.SUPPORTED)]
+    summary = {"description": "fixture", **verdicts.findings_summary(found),
+               "grpo/seed=0/wall_s": 1800.0, "ppo/seed=0/wall_s": 1800.0}
+    (run / "summary.json").write_text(json.dumps(summary))
+    (run / "grpo-seed0" / "config.json").write_text(json.dumps(
+        {"config": {}, "machine": {"cpu_capability": "AVX2", "threads": 1}}))
+    return claims, root, tmp_path / "findings.md"
+
+
+def test_page_from_finished_runs(finished):
+    claims, root, out = finished
+    findings.write_findings(out, claims, root)
+    text = out.read_text()
+    rows = [line for line in text.splitlines() if line.startswith("| 7.")]
+    assert len(rows) == 3
+    wide, clear, wrong = rows
+    assert "**inconclusive at this budget**" in wide and "1.000 [-1.000, 3.000]" in wide
+    assert "**supported**" in clear and "paired t over 3 seeds" in clear
+    assert "**refuted**" in wrong  # the verdict comes from the interval, not the stored label
+    assert all("AVX2, 1 thread" in r for r in rows)
+    # a claim with no finished run is listed, not left out
+    assert "| 1. GRPO needs less time per step" in text and "not run yet (0 of 1 runs)" in text
+    # claims in id order, and the commands to regenerate the page
+    assert text.index("| 1. ") < text.index("| 7. ")
+    assert "python -m labkit sweep experiments/claims/07_fixture.yaml" in text
+    assert "1.00 h of training runs' wall time" in text
+
+
+def test_findings_command(finished, capsys):
+    claims, root, out = finished
+    assert main(["findings", "--claims", str(claims), "--root", str(root),
+                 "--out", str(out)]) == 0
+    assert out.is_file() and str(out) in capsys.readouterr().out
+
+
+def test_claim_files_name_a_claim_and_check_against_their_notebooks():
+    files = sorted((REPO / "experiments" / "claims").glob("*.yaml"))
+    assert files
+    for file in files:
+        for smoke in (False, True):
+            sweep = load_sweep(file, smoke=smoke)
+            assert {"id", "statement", "source"} <= set(sweep.claim), file.name
+            assert file.name.startswith(f"{sweep.claim['id']:02d}_")
+
+
+def test_a_sweep_without_a_claim_is_refused(tmp_path):
+    claims = tmp_path / "claims"
+    claims.mkdir()
+    shutil.copy(REPO / "experiments" / "grpo_vs_ppo.yaml", claims / "x.yaml")
+    text = (claims / "x.yaml").read_text().replace("../notebooks/", str(REPO / "notebooks") + "/")
+    (claims / "x.yaml").write_text(text)
+    with pytest.raises(ValueError, match="no `claim:` block"):
+        findings.collect(claims, tmp_path / "runs")
