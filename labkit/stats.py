@@ -16,6 +16,7 @@ can tell from nothing.
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -75,7 +76,7 @@ def mean_interval(values: Sequence[float], confidence: float = 0.95,
     method = f"t-interval over {n} {unit}"
     if n == 1:
         return Interval(mean, math.nan, math.nan, 1, f"one of {unit}: no interval", confidence)
-    sd = stats.tstd(xs)
+    sd = statistics.stdev(xs)
     if sd == 0:
         return Interval(mean, mean, mean, n, method, confidence)
     low, high = stats.t.interval(confidence, n - 1, loc=mean, scale=sd / math.sqrt(n))

@@ -99,3 +99,11 @@ def test_a_sweep_without_a_claim_is_refused(tmp_path):
     (claims / "x.yaml").write_text(text)
     with pytest.raises(ValueError, match="no `claim:` block"):
         findings.collect(claims, tmp_path / "runs")
+
+
+def test_a_notebook_with_its_own_seeds_takes_one_sweep_seed(tmp_path):
+    path = tmp_path / "overlap.yaml"
+    path.write_text(f"notebook: {REPO / 'notebooks' / '01_grpo_vs_ppo.ipynb'}\nname: overlap\n"
+                    "parameters: {seeds: 3}\nseeds: [0, 1]\n")
+    with pytest.raises(ValueError, match="own paired seeds.*overlap"):
+        load_sweep(path)

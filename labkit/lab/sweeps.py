@@ -161,6 +161,10 @@ def _checked(sweep: Sweep, where: str) -> Sweep:
     if not isinstance(seeds, list) or not seeds or len(set(map(repr, seeds))) != len(seeds):
         raise ValueError(f"{where}: seeds must be a non-empty list of distinct ints, got {seeds!r}")
     seeds = [check_value("seed", s, kind["seed"], book) for s in seeds]
+    if "seeds" in params and len(seeds) > 1:
+        raise ValueError(f"{where}: {book} runs its own paired seeds (its `seeds` parameter: "
+                         f"seed, seed+1, ...): list one first seed under `seeds:` and set "
+                         f"`seeds: N` under `parameters:`, or the runs' seeds overlap")
     for point in itertools.product(*grid.values()):
         for seed in seeds:
             check_config_rules(sweep.notebook, params,

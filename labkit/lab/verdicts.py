@@ -36,12 +36,14 @@ class Finding:
     direction: str
     verdict: str
     note: str = ""
+    digits: int = 2
+    """Decimals shown: 1 for points of accuracy, 2 for ratios."""
 
-    def row(self, digits: int = 3) -> dict:
+    def row(self) -> dict:
         """A table row: the question, the effect with its 95% interval, the method, the
         verdict."""
         return {"question": self.question, "measure": self.measure,
-                "effect [95% CI]": self.interval.format(digits), "seeds": self.interval.n,
+                "effect [95% CI]": self.interval.format(self.digits), "seeds": self.interval.n,
                 "method": self.interval.method, "verdict": self.verdict}
 
     def to_dict(self) -> dict:
@@ -51,11 +53,11 @@ class Finding:
 
 
 def finding(question: str, measure: str, interval: stats.Interval, *, above: float | None = None,
-            below: float | None = None, note: str = "") -> Finding:
+            below: float | None = None, note: str = "", digits: int = 2) -> Finding:
     """A Finding whose verdict is `stats.verdict(interval, above=..., below=...)`."""
     verdict = stats.verdict(interval, above=above, below=below)
     threshold, direction = (above, "above") if above is not None else (below, "below")
-    return Finding(question, measure, interval, threshold, direction, verdict, note)
+    return Finding(question, measure, interval, threshold, direction, verdict, note, digits)
 
 
 def by_arm(rows: Sequence[dict]) -> dict[str, dict[int, dict]]:
@@ -118,7 +120,7 @@ def grpo_vs_ppo(rows: Sequence[dict], a: str = "grpo", b: str = "ppo") -> list[F
         note += (f"; at this spread ({sd:.1f} points) {diff.n} seeds detect a difference of "
                  f"{stats.min_detectable(sd, diff.n):.1f} points with 80% power")
     found = [finding(f"{a} gains more held-out accuracy than {b}",
-                     f"gain({a}) - gain({b}), points", diff, above=0.0, note=note)]
+                     f"gain({a}) - gain({b}), points", diff, above=0.0, note=note, digits=1)]
     step_b, step_a = paired(rows, b, a, "step_s")
     found.append(finding(f"a {b} step takes longer than a {a} step",
                          f"median step time, {b} / {a}", stats.ratio_interval(step_b, step_a),
@@ -146,7 +148,7 @@ def group_size_findings(rows: Sequence[dict]) -> list[Finding]:
             f"at an equal {_budget_words(budget)}, G={sizes[-1]} ends higher than G={sizes[0]}",
             f"accuracy(G={sizes[-1]}) - accuracy(G={sizes[0]}), points",
             stats.paired_interval([100 * x for x in after[0]], [100 * x for x in after[1]]),
-            above=0.0, note=accuracy_noise(members)))
+            above=0.0, note=accuracy_noise(members), digits=1))
         steps = paired(members, large, small, "step_s")
         found.append(finding(
             f"at an equal {_budget_words(budget)}, a step at G={sizes[-1]} costs more than at "
@@ -159,13 +161,13 @@ def _budget_words(budget: str) -> str:
     return "sample budget" if budget == "samples" else "prompt count"
 
 
-def describe_findings(findings: Sequence[Finding], digits: int = 3) -> str:
+def describe_findings(findings: Sequence[Finding]) -> str:
     """One sentence per finding: the claim, its verdict, the effect with its interval and
     method, and its note."""
     sentences = []
     for f in findings:
         side = "above" if f.direction == "above" else "below"
-        text = (f"'{f.question}': {f.verdict} ({f.measure} = {f.interval.format(digits)}, "
+        text = (f"'{f.question}': {f.verdict} ({f.measure} = {f.interval.format(f.digits)}, "
                 f"95% {f.interval.method}; the claim needs it {side} {f.threshold:g})")
         sentences.append(text + (f"; {f.note}." if f.note else "."))
     return " ".join(sentences)
