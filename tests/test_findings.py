@@ -107,3 +107,27 @@ def test_a_notebook_with_its_own_seeds_takes_one_sweep_seed(tmp_path):
                     "parameters: {seeds: 3}\nseeds: [0, 1]\n")
     with pytest.raises(ValueError, match="own paired seeds.*overlap"):
         load_sweep(path)
+
+
+@pytest.mark.notebook
+def test_a_claims_smoke_sweep_feeds_the_page(tmp_path):
+    """CI's smoke variant of claim 1: the sweep runs notebook 01 (3 seeds, 3 steps), and the
+    page reads its findings back with the machine they ran on."""
+    import torch
+
+    from labkit.lab.sweeps import run_sweep
+
+    claims = tmp_path / "claims"
+    claims.mkdir()
+    text = (REPO / "experiments" / "claims" / "01_cost.yaml").read_text()
+    (claims / "01_cost.yaml").write_text(text.replace("../../notebooks/",
+                                                      str(REPO / "notebooks") + "/"))
+    root = tmp_path / "runs"
+    runs = run_sweep(load_sweep(claims / "01_cost.yaml", smoke=True), root, progress=False)
+    assert [r.status for r in runs] == ["ok"]
+    page = findings.write_findings(tmp_path / "findings.md", claims, root, smoke=True)
+    rows = [line for line in page.read_text().splitlines() if line.startswith("| 1.")]
+    assert len(rows) == 2  # findings 2 and 3: step time and memory
+    assert all(any(f"**{v}**" in row for v in stats.VERDICTS) for row in rows)
+    assert all(f"{torch.backends.cpu.get_cpu_capability()}, 1 thread" in row for row in rows)
+    assert "3 seeds" in rows[0] and "step time" in rows[0] and "memory" in rows[1]
