@@ -100,14 +100,20 @@ def _train_one(config: TrainConfig) -> RunResult:
     return train(config)
 
 
+def _cost(config: TrainConfig) -> float:
+    """A run's work, roughly: completions sampled times passes over them, twice for PPO (its
+    critic's forward and backward)."""
+    return config.steps * config.rows * config.num_iterations * (2 if config.algo == "ppo" else 1)
+
+
 def run_all(configs: Mapping[str, TrainConfig], *, workers: int = 0,
             callbacks: Sequence[Callable[[StepReport], None]] = ()) -> dict[str, RunResult]:
     """Train every config and return the results in the order given.
 
     `workers` >= 1 runs each config in a fresh process (spawned: no state shared with the
-    caller, and a process's peak memory is its own run's), that many at a time, each on
-    `config.threads` torch threads (the notebooks give 1); 0 means one worker per CPU core, at
-    most one per run. A run that fails does not stop the others: their results are kept and
+    caller, and a process's peak memory is its own run's), that many at a time, the
+    costliest first, each on `config.threads` torch threads (the notebooks give 1); 0 means
+    one worker per CPU core, at most one per run. A run that fails does not stop the others: their results are kept and
     one RuntimeError names the failures at the end. Callbacks (live figures) need the runs in
     this process: with callbacks, or a single config, the runs go one after the other here."""
     if workers < 0:
@@ -121,8 +127,10 @@ def run_all(configs: Mapping[str, TrainConfig], *, workers: int = 0,
     names, results, failed = list(configs), {}, {}
     context = mp.get_context("spawn")
     with context.Pool(workers, maxtasksperchild=1) as pool:
-        pending = {name: pool.apply_async(_train_one, (configs[name],)) for name in names}
-        for k, name in enumerate(names, 1):
+        # the costliest runs start first, so no worker is left with a long run at the end
+        pending = {name: pool.apply_async(_train_one, (configs[name],))
+                   for name in sorted(names, key=lambda n: -_cost(configs[n]))}
+        for name in sorted(names, key=lambda n: -_cost(configs[n])):
             try:
                 results[name] = pending[name].get()
             except Exception as e:  # noqa: BLE001 - reported with the others below
