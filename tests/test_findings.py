@@ -62,7 +62,7 @@ def test_page_from_finished_runs(finished):
     rows = [line for line in text.splitlines() if line.startswith("| 7.")]
     assert len(rows) == 3
     wide, clear, wrong = rows
-    assert "**inconclusive at this budget**" in wide and "1.000 [-1.000, 3.000]" in wide
+    assert "**inconclusive at this budget**" in wide and "1.00 [-1.00, 3.00]" in wide
     assert "**supported**" in clear and "paired t over 3 seeds" in clear
     assert "**refuted**" in wrong  # the verdict comes from the interval, not the stored label
     assert all("AVX2, 1 thread" in r for r in rows)

@@ -37,6 +37,21 @@ class ClaimResult:
     compute_s: float = 0.0
 
 
+def locate(path: str | Path) -> Path:
+    """`path` as given when absolute; a relative one under the project root of the working
+    directory when it exists there, else under the checkout this labkit was imported from
+    (a notebook run from another folder still finds experiments/claims/)."""
+    from labkit.lab.experiments import project_root
+
+    path = Path(path)
+    if path.is_absolute():
+        return path
+    here = project_root() / path
+    if here.exists():
+        return here
+    return project_root(Path(__file__).resolve().parent) / path
+
+
 def _finding_numbers(summary: dict) -> list[int]:
     return sorted(int(k[len("finding"):].split("/")[0]) for k in summary
                   if k.startswith("finding") and k.endswith("/verdict"))
@@ -58,8 +73,10 @@ def finding_row(summary: dict, k: int, run_id: str) -> dict:
         side = {"above": threshold} if direction == "above" else {"below": threshold}
         verdict = stats.verdict(interval, **side)
     return {"run": run_id, "question": get(f"finding{k}/question", ""),
-            "measure": get(f"finding{k}/measure", ""), "effect": interval.format(3),
-            "seeds": seeds, "method": interval.method, "verdict": verdict}
+            "measure": get(f"finding{k}/measure", ""), "effect": interval.format(2),
+            "seeds": seeds, "method": interval.method, "verdict": verdict,
+            "mean": interval.mean, "low": interval.low, "high": interval.high,
+            "threshold": threshold, "direction": direction}
 
 
 def _machines(run_path: Path) -> set[str]:
@@ -112,6 +129,31 @@ def _cell(text) -> str:
     return str(text).replace("|", "\\|").replace("\n", " ")
 
 
+COLUMNS = ("claim", "source", "measured", "effect [95% CI]", "seeds", "method", "machine",
+           "verdict")
+
+
+def table_rows(results: list[ClaimResult]) -> list[dict]:
+    """One row per finding of every claim (COLUMNS); a claim without finished runs gets one
+    row that says so."""
+    out = []
+    for r in results:
+        head = f"{r.claim.get('id', '?')}. {r.claim.get('statement', '')}"
+        source, machine = r.claim.get("source", ""), "; ".join(sorted(r.machines)) or "-"
+        if not r.rows:
+            out.append(dict.fromkeys(COLUMNS, "") | {
+                "claim": head, "source": source,
+                "measured": f"not run yet ({r.runs_done} of {r.runs_total} runs)"})
+            continue
+        for row in r.rows:
+            where = "" if row["run"] == "seed=0" else f" ({row['run']})"
+            out.append({"claim": head, "source": source,
+                        "measured": f"{row['question']}: {row['measure']}{where}",
+                        "effect [95% CI]": row["effect"], "seeds": row["seeds"],
+                        "method": row["method"], "machine": machine, "verdict": row["verdict"]})
+    return out
+
+
 def render(results: list[ClaimResult], commit: str | None, smoke: bool = False) -> str:
     """The findings page as markdown."""
     flag = " --smoke" if smoke else ""
@@ -124,21 +166,12 @@ def render(results: list[ClaimResult], commit: str | None, smoke: bool = False) 
              f"- commit: `{commit or 'unknown'}`",
              f"- regenerate: `python -m labkit sweep experiments/claims/<file>{flag}` for each "
              f"claim below, then `python -m labkit findings{flag}`", ""]
-    lines += ["| claim | source | measured | effect [95% CI] | seeds | method | machine | verdict |",
-              "|---|---|---|---|---|---|---|---|"]
-    for r in results:
-        head = f"{r.claim.get('id', '?')}. {r.claim.get('statement', '')}"
-        machine = "; ".join(sorted(r.machines)) or "-"
-        if not r.rows:
-            lines.append(f"| {_cell(head)} | {_cell(r.claim.get('source', ''))} | not run yet "
-                         f"({r.runs_done} of {r.runs_total} runs) | | | | | |")
-            continue
-        for row in r.rows:
-            where = "" if row["run"] == "seed=0" else f" ({row['run']})"
-            lines.append(f"| {_cell(head)} | {_cell(r.claim.get('source', ''))} | "
-                         f"{_cell(row['question'])}: {_cell(row['measure'])}{_cell(where)} | "
-                         f"{row['effect']} | {row['seeds']} | {_cell(row['method'])} | "
-                         f"{_cell(machine)} | **{row['verdict']}** |")
+    columns = list(COLUMNS)
+    lines += ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for row in table_rows(results):
+        cells = [_cell(row[c]) for c in columns]
+        cells[-1] = f"**{cells[-1]}**" if cells[-1] else ""
+        lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "## Commands and compute", ""]
     for r in results:
         hours = r.compute_s / 3600

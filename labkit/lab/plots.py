@@ -218,6 +218,32 @@ def sweep_curves(histories: Mapping[str, Sequence[dict]], key: str, *,
     return fig
 
 
+VERDICT_COLORS = {"supported": "#2ca02c", "refuted": "#d62728",
+                  "inconclusive at this budget": "#7f7f7f"}
+
+
+def finding_intervals(rows: Sequence[dict], *, title: str | None = None) -> go.Figure:
+    """One claim's findings (rows of `labkit.lab.findings.finding_row`): each effect as a
+    point with its 95% interval, colored by verdict, beside a dashed line at the threshold
+    the claim needs it to clear. A finding without an interval (one seed) is a point."""
+    fig = go.Figure()
+    for row in rows:
+        has_interval = math.isfinite(row["low"])
+        label = f"{row['question']} ({row['run']})" if row["run"] != "seed=0" else row["question"]
+        error = dict(type="data", symmetric=False, array=[row["high"] - row["mean"]],
+                     arrayminus=[row["mean"] - row["low"]]) if has_interval else None
+        fig.add_scatter(x=[row["mean"]], y=[label], error_x=error, mode="markers",
+                        marker=dict(size=10, color=VERDICT_COLORS.get(row["verdict"], "#000")),
+                        name=row["verdict"], showlegend=False,
+                        hovertext=f"{row['measure']}: {row['effect']}, {row['verdict']}")
+        if row["threshold"] is not None:
+            fig.add_scatter(x=[row["threshold"]] * 2, y=[label, label], mode="markers",
+                            marker=dict(symbol="line-ns", size=22, line=dict(width=2),
+                                        color="#444"), showlegend=False, hoverinfo="skip")
+    fig.update_layout(title=title, height=120 + 60 * len(rows), xaxis_title="effect, 95% CI")
+    return fig
+
+
 class Table:
     """A list of dicts shown as an HTML table in a notebook, as markdown in text."""
 
