@@ -20,7 +20,7 @@ from labkit import lab, stats
 REPO = Path(__file__).resolve().parents[1]
 NOTEBOOKS = REPO / "notebooks"
 STEMS = ["00_building_blocks", "01_grpo_vs_ppo", "02_group_size_sweep",
-         "03_advantage_variance_live", "04_claims"]
+         "03_advantage_variance_live", "04_claims", "05_arms"]
 REQUIRED = {
     "00_building_blocks": {"run_dir", "seed"},
     "01_grpo_vs_ppo": {"run_dir", "seed", "seeds", "workers", "steps", "batch_prompts",
@@ -31,6 +31,8 @@ REQUIRED = {
                                    "reward", "diag_every", "diag_prompts", "diag_batches",
                                    "diag_samples"},
     "04_claims": {"run_dir", "seed", "claims_dir", "runs_root", "smoke"},
+    "05_arms": {"run_dir", "seed", "seeds", "workers", "arms", "baseline", "steps",
+                "batch_prompts", "group_size", "eval_n"},
 }
 TYPES = {"int": int, "float": float, "str": str, "bool": bool}
 
@@ -172,6 +174,16 @@ def check_04(summary, records, params):
     assert summary["claims"] == len(claims) and 0 <= summary["claims_run"] <= len(claims)
     verdicts = sum(summary.get(v, 0) for v in stats.VERDICTS)
     assert verdicts == summary["findings"] and records == []
+
+
+def check_05(summary, records, params):
+    arms = lab.parse_arms(params["arms"][1] or lab.DEFAULT_ARMS)
+    runs = [run for arm in arms for run in _seeded(arm, params)]
+    for run in runs:
+        _check_run(summary, run, params["steps"][1])
+    _check_findings(summary, len(arms) - 1, params["seeds"][1])
+    assert summary["baseline"] == next(iter(arms))
+    assert {r["run"] for r in records} == set(runs)
 
 
 @pytest.mark.notebook

@@ -60,3 +60,33 @@ def test_arm_rows_and_group_size_findings():
     assert accuracy.verdict == stats.SUPPORTED and cost.verdict == stats.SUPPORTED
     text = verdicts.describe_findings([accuracy, cost])
     assert "G=8 ends higher than G=2': supported" in text and "needs it above 1" in text
+
+
+def test_arm_findings_compare_each_arm_with_the_baseline():
+    rows = []
+    for seed in range(3):
+        rows += [_row("grpo", seed, 0.40 + seed / 100, 0.2, 1.0),
+                 _row("rloo", seed, 0.45 + seed / 100, 0.2, 1.0),   # +5 points every seed
+                 _row("none", seed, 0.30 + seed / 50, 0.2, 1.0)]    # -10, -9, -8 points
+    rloo, none = verdicts.arm_findings(rows)
+    assert rloo.question == "rloo gains more held-out accuracy than grpo"
+    assert rloo.interval.mean == pytest.approx(5.0) and rloo.verdict == stats.SUPPORTED
+    assert none.interval.mean == pytest.approx(-9.0) and none.verdict == stats.REFUTED
+    assert [f.question for f in verdicts.arm_findings(rows, "rloo")][0].endswith("than rloo")
+    with pytest.raises(ValueError, match="baseline 'ppo' is not an arm"):
+        verdicts.arm_findings(rows, "ppo")
+
+
+def test_parse_arms_reads_fields_and_names_the_bad_part():
+    from labkit.lab import parse_arms
+
+    arms = parse_arms("a: estimator=none, dual_clip=none; b: reward=shaped(lam=0.3, x=1), lr=5e-4;"
+                      " c: dynamic_sampling=true")
+    assert arms == {"a": {"estimator": "none", "dual_clip": None},
+                    "b": {"reward": "shaped(lam=0.3, x=1)", "lr": 5e-4},
+                    "c": {"dynamic_sampling": True}}
+    for text, words in [("a estimator=grpo", "NAME: FIELD=VALUE"), ("a: colour=red", "colour"),
+                        ("a: lr=fast", "lr must be float"), ("a: lr=1; a: lr=2", "twice"),
+                        (" ; ", "at least one arm")]:
+        with pytest.raises(ValueError, match=words):
+            parse_arms(text)

@@ -8,6 +8,7 @@ worker processes. Each run writes its own folder inside the notebook's.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
@@ -164,6 +165,85 @@ def compare(algos: Iterable[str], *, run_dir: str | Path, seed: int = 0, seeds: 
             configs[run_name(algo, s, chosen)] = run_config(Path(run_dir) / folder, algo=algo,
                                                             seed=s, **overrides)
     return run_all(configs, workers=workers, callbacks=callbacks)
+
+
+DEFAULT_ARMS = "grpo: estimator=grpo; dr_grpo: estimator=dr_grpo; rloo: estimator=rloo"
+"""Notebook 05's arms when it is given none: the three group estimators."""
+
+
+def parse_arms(text: str) -> dict[str, dict]:
+    """"rloo: estimator=rloo; lam03: reward=shaped(lam=0.3), lr=5e-4" -> {arm: {field: value}}:
+    arms separated by ';', each 'NAME: FIELD=VALUE, ...' with TrainConfig fields, values read
+    as the field's type ('none' is None for a number or bool). Checked here, before any run
+    starts."""
+    from labkit.config import field_types
+
+    types, arms = field_types(), {}
+    for part in (p.strip() for p in str(text).split(";")):
+        if not part:
+            continue
+        name, colon, rest = part.partition(":")
+        name = name.strip()
+        if not colon or not re.fullmatch(r"[A-Za-z0-9._=+-]+", name):
+            raise ValueError(f"arms: {part!r} must be 'NAME: FIELD=VALUE, ...' with NAME of "
+                             "letters, digits, '.', '_', '-', '+', '='")
+        if name in arms:
+            raise ValueError(f"arms: {name!r} is named twice")
+        overrides = {}
+        for item in (i.strip() for i in _split_top(rest)):
+            if not item:
+                continue
+            key, eq, value = (x.strip() for x in item.partition("="))
+            if not eq or key not in types:
+                raise ValueError(f"arms: {name}: {item!r} must be FIELD=VALUE with FIELD a "
+                                 f"TrainConfig field (valid: {sorted(types)})")
+            overrides[key] = _typed(value, types[key], f"arms: {name}: {key}")
+        arms[name] = overrides
+    if not arms:
+        raise ValueError(f"arms must name at least one arm, got {text!r}")
+    return arms
+
+
+def _split_top(text: str) -> list[str]:
+    """`text` split at the commas outside parentheses (a reward like shaped(lam=0.3, x=1))."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        depth += ch == "("
+        depth -= ch == ")"
+        if ch == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    return parts + [text[start:]]
+
+
+def _typed(text: str, kind: type, where: str):
+    """`text` as `kind`; 'none' is None for a number or bool (a string field keeps it: the
+    estimator `none` is a name)."""
+    if text.lower() == "none" and kind is not str:
+        return None
+    if kind is bool:
+        if text.lower() not in ("true", "false"):
+            raise ValueError(f"{where} must be true or false, got {text!r}")
+        return text.lower() == "true"
+    try:
+        return kind(text)
+    except ValueError:
+        raise ValueError(f"{where} must be {kind.__name__}, got {text!r}") from None
+
+
+def compare_arms(arms: Mapping[str, Mapping], *, run_dir: str | Path, seed: int = 0,
+                 seeds: int = 1, workers: int = 0, **shared) -> dict[str, RunResult]:
+    """Train each arm (a TrainConfig's overrides on top of `shared`) on each paired seed: seed
+    s gives every arm the same prompts at every step. Every config is made (and checked)
+    before the first run starts. Runs are named as in `run_name` and write
+    `run_dir/<arm>[-seed<s>]/`."""
+    chosen, configs = seed_list(seed, seeds), {}
+    for s in chosen:
+        for arm, overrides in arms.items():
+            folder = arm if len(chosen) == 1 else f"{arm}-seed{s}"
+            configs[run_name(arm, s, chosen)] = run_config(
+                Path(run_dir) / folder, **{**shared, **overrides, "seed": s})
+    return run_all(configs, workers=workers)
 
 
 def batch_prompts_for(budget: str, group_size: int, samples_per_step: int,

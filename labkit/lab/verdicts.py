@@ -157,6 +157,26 @@ def group_size_findings(rows: Sequence[dict]) -> list[Finding]:
     return found
 
 
+def arm_findings(rows: Sequence[dict], baseline: str | None = None) -> list[Finding]:
+    """Notebook 05's question of each arm against `baseline` (default: the first arm), over
+    paired seeds: does it gain more held-out accuracy (paired t of the per-seed differences,
+    points)."""
+    arms = list(by_arm(rows))
+    baseline = baseline or arms[0]
+    if baseline not in arms:
+        raise ValueError(f"baseline {baseline!r} is not an arm; arms: {arms}")
+    found = []
+    for arm in arms:
+        if arm == baseline:
+            continue
+        gains = paired(rows, arm, baseline, "gain")
+        diff = stats.paired_interval([100 * g for g in gains[0]], [100 * g for g in gains[1]])
+        found.append(finding(f"{arm} gains more held-out accuracy than {baseline}",
+                             f"gain({arm}) - gain({baseline}), points", diff, above=0.0,
+                             note=accuracy_noise(rows), digits=1))
+    return found
+
+
 def _budget_words(budget: str) -> str:
     return "sample budget" if budget == "samples" else "prompt count"
 
