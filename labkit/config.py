@@ -22,6 +22,7 @@ from labkit import stops
 from labkit.advantages import ESTIMATORS, Scale
 from labkit.fields import base_types, bounded, check, choice, choices, docs
 from labkit.losses import AGG_MODES, Level
+from labkit.models import EMBEDDED, SCRATCHPAD_NAME
 from labkit.reward_specs import REWARD_SPECS, spec_text
 
 
@@ -43,7 +44,15 @@ class TrainConfig:
     digits: int = bounded(2, ge=1)
     """Arithmetic: digits per operand."""
     operands: int = bounded(2, ge=1)
-    """Arithmetic: numbers per problem."""
+    """Arithmetic: numbers per problem (the most, with min_operands)."""
+    min_operands: int = bounded(0, ge=0)
+    """Arithmetic: fewest numbers per problem; each problem's count is drawn uniformly from
+    min_operands .. operands, so solutions differ in length. 0: always `operands`."""
+    scratchpad: bool = False
+    """Arithmetic: problems solved in writing, the running results before the boxed answer
+    ('3+4+5=' -> '3+4=7,7+5=12. \\boxed{12}'); with model=None the run loads the embedded
+    scratchpad model (tiny-arith-scratchpad, warm-started on digits=1, operands 2..5), and
+    max_new_tokens must hold the longest worked solution."""
     ops: str = "+"
     """Arithmetic: operators to draw from ('+', '-', '*')."""
     gsm8k_path: str | None = None
@@ -217,6 +226,8 @@ class TrainConfig:
         self.reward = spec_text(self.reward)  # a list of (reward, weight) pairs -> its sum
         if self.lr is None and self.algo in ALGO_LR:
             self.lr = ALGO_LR[self.algo]
+        if self.scratchpad and self.model is None:
+            self.model = SCRATCHPAD_NAME
         check(self)
         self._check_ranges()
         self._check_task()
@@ -262,6 +273,9 @@ class TrainConfig:
         if not self.ops or any(op not in "+-*" for op in self.ops):
             raise ValueError(f"ops must be a non-empty string of '+', '-', '*', got {self.ops!r}")
         if self.task == "gsm8k":
+            if self.scratchpad:
+                raise ValueError("scratchpad=True is for task='arithmetic' (GSM8K's worked "
+                                 "solutions are its own): drop scratchpad")
             if not self.gsm8k_path:
                 raise ValueError("gsm8k_path is required with task='gsm8k': a local jsonl with "
                                  "'question' and 'answer' fields")
@@ -271,7 +285,15 @@ class TrainConfig:
                              f"(task is {self.task!r}): add task='gsm8k' or drop gsm8k_path")
         from labkit.tasks import ENUMERABLE, ArithmeticTask
 
-        task = ArithmeticTask(digits=self.digits, operands=self.operands, ops=self.ops)
+        task = ArithmeticTask(digits=self.digits, operands=self.operands, ops=self.ops,
+                              min_operands=self.min_operands, scratchpad=self.scratchpad)
+        if self.scratchpad and self.model in EMBEDDED:
+            # the embedded models read and write one character per token, EOS one more
+            need = len(task.longest_target()) + 1
+            if self.max_new_tokens < need:
+                raise ValueError(f"max_new_tokens={self.max_new_tokens} cannot hold this task's "
+                                 f"longest worked solution ({need} tokens with EOS, "
+                                 f"{task.longest_target()!r}): raise max_new_tokens to >= {need}")
         if task.num_problems <= ENUMERABLE:
             held_out, about = task.split_size("test"), ""
         else:
@@ -326,7 +348,7 @@ def preflight(config: TrainConfig) -> None:
     GSM8K file, a place for run_dir, the device? ValueError names the field. The trainer
     asks before it makes a run folder or loads anything; a config read back on resume is
     not probed again."""
-    if config.model is not None and config.model != "tiny-arith":
+    if config.model is not None and config.model not in EMBEDDED:
         path = Path(config.model).expanduser()
         looks_local = path.exists() or config.model.startswith((".", "/", "~")) \
             or config.model.count("/") > 1 or "\\" in config.model

@@ -14,6 +14,11 @@ import torch
 EMBEDDED_NAME = "tiny-arith"
 EMBEDDED_PATH = Path(__file__).resolve().parent / "zoo" / EMBEDDED_NAME
 """The default model: a 0.44 M-parameter Llama warm-started on two-digit addition."""
+SCRATCHPAD_NAME = "tiny-arith-scratchpad"
+"""The second embedded model, same recipe: warm-started to write its running results before
+the boxed answer, on sums of 2 to 5 one-digit numbers (`TrainConfig.scratchpad`)."""
+EMBEDDED = {name: EMBEDDED_PATH.parent / name for name in (EMBEDDED_NAME, SCRATCHPAD_NAME)}
+"""The models shipped in the package, by name (`labkit.zoo` builds them)."""
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
@@ -52,12 +57,15 @@ def _looks_like_hub_id(name: str) -> bool:
 
 
 def resolve_model_path(name_or_path: str | os.PathLike | None) -> str:
-    """The path or hub id to hand to `from_pretrained`; None means the embedded model."""
-    if name_or_path is None or str(name_or_path) == EMBEDDED_NAME:
-        if not (EMBEDDED_PATH / "config.json").is_file():
-            raise FileNotFoundError(f"the embedded model is missing from {EMBEDDED_PATH}; "
-                                    "rebuild it with `python -m labkit.zoo build`")
-        return str(EMBEDDED_PATH)
+    """The path or hub id to hand to `from_pretrained`; None means the embedded model, a name
+    of EMBEDDED another model shipped in the package."""
+    name = EMBEDDED_NAME if name_or_path is None else str(name_or_path)
+    if name in EMBEDDED:
+        if not (EMBEDDED[name] / "config.json").is_file():
+            raise FileNotFoundError(f"the embedded model {name} is missing from "
+                                    f"{EMBEDDED[name]}; rebuild it with `python -m labkit.zoo "
+                                    f"build --preset {name}`")
+        return str(EMBEDDED[name])
     path = Path(name_or_path).expanduser()
     if path.exists():
         if not (path / "config.json").is_file():

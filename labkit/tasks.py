@@ -61,22 +61,26 @@ def split_bucket(key: str) -> int:
 
 
 @functools.lru_cache(maxsize=8)
-def _listed(digits: int, operands: int, ops: str, test_percent: int,
+def _listed(digits: int, counts: tuple[int, ...], ops: str, test_percent: int,
             split: Split) -> tuple[tuple[tuple[int, ...], tuple[str, ...]], ...]:
-    """Every problem of a split as (numbers, ops), listed once per process."""
+    """Every problem of a split as (numbers, ops), for each operand count of `counts`, listed
+    once per process."""
     found = []
-    for numbers in itertools.product(range(10**digits), repeat=operands):
-        for chosen in itertools.product(ops, repeat=operands - 1):
-            expression = str(numbers[0]) + "".join(f"{o}{n}" for o, n in zip(chosen, numbers[1:]))
-            in_test = split_bucket(expression) < test_percent
-            if in_test == (split == "test"):
-                found.append((numbers, chosen))
+    for operands in counts:
+        for numbers in itertools.product(range(10**digits), repeat=operands):
+            for chosen in itertools.product(ops, repeat=operands - 1):
+                expression = str(numbers[0]) + "".join(f"{o}{n}"
+                                                       for o, n in zip(chosen, numbers[1:]))
+                in_test = split_bucket(expression) < test_percent
+                if in_test == (split == "test"):
+                    found.append((numbers, chosen))
     return tuple(found)
 
 
 @dataclass(frozen=True)
 class ArithmeticTask:
-    """Procedural arithmetic: `operands` numbers of up to `digits` digits joined by `ops`.
+    """Procedural arithmetic: `operands` numbers of up to `digits` digits joined by `ops` (or
+    between `min_operands` and `operands` numbers, so that solutions differ in length).
 
     Problems are evaluated left to right (no operator precedence), so the scratchpad is the
     list of running results. The split of a problem is a hash of its expression, so train
@@ -86,7 +90,10 @@ class ArithmeticTask:
     digits: int = 2
     """Largest number of digits of an operand (operands are drawn from 0 .. 10**digits - 1)."""
     operands: int = 2
-    """How many numbers each problem combines."""
+    """How many numbers each problem combines (the most, with min_operands)."""
+    min_operands: int = 0
+    """Fewest numbers a problem combines: each draw picks its count uniformly from
+    min_operands .. operands. 0 (or operands itself): every problem has `operands`."""
     ops: str = "+"
     """Operators to draw from, any of '+', '-', '*'."""
     scratchpad: bool = False
@@ -101,6 +108,9 @@ class ArithmeticTask:
             raise ValueError(f"digits must be between 1 and 9, got {self.digits}")
         if not 2 <= self.operands <= 8:
             raise ValueError(f"operands must be between 2 and 8, got {self.operands}")
+        if self.min_operands and not 2 <= self.min_operands <= self.operands:
+            raise ValueError(f"min_operands must be 0 or between 2 and operands="
+                             f"{self.operands}, got {self.min_operands}")
         if not self.ops or any(op not in OPS for op in self.ops):
             raise ValueError(f"ops must be a non-empty string of {OPS!r}, got {self.ops!r}")
         if self.template not in ("compact", "instruct"):
@@ -109,9 +119,21 @@ class ArithmeticTask:
             raise ValueError(f"test_percent must be between 1 and 50, got {self.test_percent}")
 
     @property
+    def counts(self) -> tuple[int, ...]:
+        """The operand counts problems are drawn with."""
+        return tuple(range(self.min_operands or self.operands, self.operands + 1))
+
+    @property
     def num_problems(self) -> int:
         """Size of the whole problem space (both splits)."""
-        return (10**self.digits) ** self.operands * len(set(self.ops)) ** (self.operands - 1)
+        return sum((10**self.digits) ** k * len(set(self.ops)) ** (k - 1) for k in self.counts)
+
+    def longest_target(self) -> str:
+        """The longest reference completion of the task (every operand at its largest; the
+        first of `ops` that makes the running results longest), to size max_new_tokens."""
+        high = 10**self.digits - 1
+        return max((self.make([high] * self.operands, [op] * (self.operands - 1)).target
+                    for op in set(self.ops)), key=len)
 
     def split_of(self, expression: str) -> Split:
         return "test" if split_bucket(expression) < self.test_percent else "train"
@@ -141,8 +163,11 @@ class ArithmeticTask:
 
     def _draw(self, rng: random.Random) -> tuple[str, list[int], list[str]]:
         high = 10**self.digits - 1
-        numbers = [rng.randint(0, high) for _ in range(self.operands)]
-        ops = [rng.choice(self.ops) for _ in range(self.operands - 1)]
+        counts = self.counts
+        # one count draws nothing: the stream of a fixed-count task stays as it always was
+        operands = counts[0] if len(counts) == 1 else rng.randint(counts[0], counts[-1])
+        numbers = [rng.randint(0, high) for _ in range(operands)]
+        ops = [rng.choice(self.ops) for _ in range(operands - 1)]
         expression = str(numbers[0]) + "".join(f"{o}{n}" for o, n in zip(ops, numbers[1:]))
         return expression, numbers, ops
 
@@ -152,7 +177,7 @@ class ArithmeticTask:
         if self.num_problems > ENUMERABLE:
             raise ValueError(f"the space of {self.num_problems} problems is too large to list "
                              f"(at most {ENUMERABLE})")
-        listed = _listed(self.digits, self.operands, "".join(sorted(set(self.ops))),
+        listed = _listed(self.digits, self.counts, "".join(sorted(set(self.ops))),
                          self.test_percent, split)
         return [(list(numbers), list(ops)) for numbers, ops in listed]
 
@@ -276,7 +301,8 @@ class ProblemSource:
         self.config = config
         if config.task == "arithmetic":
             self.task = ArithmeticTask(digits=config.digits, operands=config.operands,
-                                       ops=config.ops)
+                                       ops=config.ops, min_operands=config.min_operands,
+                                       scratchpad=config.scratchpad)
             self.eval = self.task.sample(config.eval_n, "test", seed=EVAL_SEED, distinct=True)
         else:
             everything = load_gsm8k(config.gsm8k_path)

@@ -93,3 +93,40 @@ def test_hub_id_offline_says_to_pass_a_local_path(monkeypatch, tmp_path):
 def test_resolve_dtype_auto_is_fp32_on_cpu():
     assert models.resolve_dtype(None, torch.device("cpu")) == torch.float32
     assert models.resolve_dtype("auto", torch.device("cpu")) == torch.float32
+
+
+def test_the_scratchpad_model_writes_its_running_results():
+    """The second embedded model loads by name, and its greedy completions of held-out
+    problems with 2 to 5 numbers are worked solutions: one 'a+b=c' per step (each step's
+    first number the running result before it), then the boxed answer."""
+    import json
+    import re
+
+    from labkit.evaluation import evaluate
+    from labkit.tasks import ArithmeticTask
+
+    path = models.EMBEDDED[models.SCRATCHPAD_NAME]
+    assert models.resolve_model_path(models.SCRATCHPAD_NAME) == str(path)
+    model, tokenizer = load(models.SCRATCHPAD_NAME, device="cpu")
+    card = json.loads((path / "card.json").read_text())
+    task = ArithmeticTask(**{k: card["task"][k] for k in ("digits", "operands",
+                                                         "min_operands", "scratchpad")})
+    assert task.scratchpad and task.counts == (2, 3, 4, 5)
+    problems = task.sample(40, "test", seed=3, distinct=True)
+    batch = tokenizer([p.prompt for p in problems], return_tensors="pt", padding=True)
+    out = model.generate(**batch, max_new_tokens=48, do_sample=False)
+    texts = tokenizer.batch_decode(out[:, batch.input_ids.shape[1]:], skip_special_tokens=True)
+    well_formed = 0
+    for p, text in zip(problems, texts):
+        work, _, boxed = text.partition(". ")
+        steps = [re.fullmatch(r"(\d+)\+(\d+)=(\d+)", s) for s in work.split(",")]
+        numbers = [int(n) for n in p.prompt[:-1].split("+")]
+        well_formed += (all(steps) and len(steps) == len(numbers) - 1
+                        and int(steps[0].group(1)) == numbers[0]
+                        and all(int(a.group(3)) == int(b.group(1))
+                                for a, b in zip(steps, steps[1:]))
+                        and boxed.startswith("\\boxed{"))
+    assert well_formed >= 30, f"{well_formed} of 40 completions are worked solutions"
+    figures = evaluate(model, tokenizer, task.sample(200, "test", seed=4, distinct=True),
+                       samples=0, max_new_tokens=48)
+    assert 0.1 <= figures["eval/accuracy"] <= 0.6 and figures["eval/length"] > 25, figures

@@ -372,3 +372,55 @@ def test_problem_to_record():
                       "target": "1+2=3,3+3=6. \\boxed{6}"}
     assert isinstance(record["steps"], list)
     assert json.loads(json.dumps(record)) == record
+
+
+# ---------------------------------------------------------------- operand counts that vary
+
+def test_min_operands_draws_every_count_and_counts_the_space():
+    task = ArithmeticTask(digits=1, operands=4, min_operands=2, scratchpad=True)
+    assert task.counts == (2, 3, 4)
+    assert task.num_problems == sum(len(all_expressions(1, k, "+")) for k in (2, 3, 4))
+    problems = task.sample(600, "train", seed=5)
+    counts = [len(parse_prompt(p.prompt)[0]) for p in problems]
+    assert set(counts) == {2, 3, 4}
+    assert all(abs(counts.count(k) / 600 - 1 / 3) < 0.08 for k in (2, 3, 4)), counts
+    for p in problems[:40]:
+        numbers, ops = parse_prompt(p.prompt)
+        assert p.answer == str(ref_value(numbers, ops))
+        assert list(p.steps) == ref_steps(numbers, ops)
+        # the worked solution: one 'a+b=c' per step, then the boxed answer
+        written = p.target.split(". ")[0].split(",")
+        assert len(written) == len(numbers) - 1 and p.target.endswith(f"\\boxed{{{p.answer}}}")
+
+
+def test_a_fixed_count_draws_the_same_stream_as_before_counts_could_vary():
+    """min_operands=0 and min_operands=operands consume nothing extra from the generator: the
+    prompts of every seed stay what they were (a plain re-implementation of the draw)."""
+    rng, expected = random.Random("7:train"), []
+    while len(expected) < 20:
+        numbers = [rng.randint(0, 99) for _ in range(3)]
+        ops = [rng.choice("+-") for _ in range(2)]
+        expression = ref_expression(numbers, ops)
+        if ArithmeticTask(digits=2, operands=3, ops="+-").split_of(expression) == "train":
+            expected.append(expression + "=")
+    for task in (ArithmeticTask(digits=2, operands=3, ops="+-"),
+                 ArithmeticTask(digits=2, operands=3, ops="+-", min_operands=3)):
+        assert [p.prompt for p in task.sample(20, "train", seed=7)] == expected
+
+
+def test_a_small_space_of_several_counts_is_listed_whole():
+    task = ArithmeticTask(digits=1, operands=3, min_operands=2)
+    expressions = all_expressions(1, 2, "+") | all_expressions(1, 3, "+")
+    test_set = {e for e in expressions if task.split_of(e) == "test"}
+    assert task.split_size("test") == len(test_set)
+    whole = task.sample(len(test_set), "test", seed=0, distinct=True)
+    assert {p.prompt[:-1] for p in whole} == test_set
+
+
+def test_longest_target_and_bad_min_operands():
+    task = ArithmeticTask(digits=1, operands=5, min_operands=2, scratchpad=True)
+    assert task.longest_target() == "9+9=18,18+9=27,27+9=36,36+9=45. \\boxed{45}"
+    assert ArithmeticTask(digits=2, ops="+-").longest_target() == "\\boxed{198}"
+    for bad in (1, 6):
+        with pytest.raises(ValueError, match="min_operands"):
+            ArithmeticTask(operands=5, min_operands=bad)

@@ -67,6 +67,9 @@ BAD_CONFIGS = [
     (dict(digits=10), "digits", "between 1 and 9"),
     (dict(operands=1), "operands", "between 2 and 8"),
     (dict(ops="/"), "ops", "'+', '-', '*'"),
+    (dict(operands=3, min_operands=4), "min_operands", "between 2 and operands=3"),
+    (dict(scratchpad=True, digits=1, operands=5, min_operands=2), "max_new_tokens", ">= 43"),
+    (dict(scratchpad=True, task="gsm8k", gsm8k_path="x.jsonl"), "scratchpad", "arithmetic"),
     (dict(digits=1), "eval_n", "held-out"),
     (dict(seed=2**40), "seed", "2**32"),
     (dict(seed="0"), "seed", "integer"),
@@ -180,6 +183,15 @@ def test_a_saved_config_from_before_the_fast_field_was_named_reads_lean_as_fast(
 def test_good_fields_still_pass(fields):
     config = TrainConfig(**fields)
     assert all(getattr(config, k) == v for k, v in fields.items())
+
+
+def test_scratchpad_loads_the_embedded_scratchpad_model_unless_a_model_is_named():
+    from labkit.models import SCRATCHPAD_NAME
+
+    fields = dict(scratchpad=True, digits=1, operands=5, min_operands=2, max_new_tokens=48)
+    assert TrainConfig(**fields).model == SCRATCHPAD_NAME
+    assert TrainConfig(**fields, model="tiny-arith").model == "tiny-arith"
+    assert TrainConfig().model is None and not TrainConfig().scratchpad
 
 
 def test_a_list_of_reward_pairs_is_stored_as_its_sum():

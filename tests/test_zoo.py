@@ -105,3 +105,20 @@ def test_trl_grpo_trainer_accepts_the_embedded_model_path(tmp_path):
     assert 0.0 <= logged["reward"] <= 1.0
     assert math.isfinite(logged["loss"])
     assert logged["completions/mean_length"] > 0
+
+
+def test_the_scratchpad_preset_builds_on_worked_solutions(tmp_path, capsys):
+    from labkit.zoo import PRESETS
+    from labkit.zoo.__main__ import main
+
+    recipe = Recipe(**PRESETS["tiny-arith-scratchpad"], **SMALL)
+    task = recipe.task()
+    assert task.scratchpad and task.counts == (2, 3, 4, 5)
+    assert recipe.max_new_tokens() >= len(task.longest_target()) + 1
+    card = build(tmp_path, recipe, progress=False, name="tiny-arith-scratchpad")
+    assert card["task"]["min_operands"] == 2 and card["name"] == "tiny-arith-scratchpad"
+    readme = (tmp_path / "README.md").read_text()
+    assert "--preset tiny-arith-scratchpad" in readme and "2 to 5 numbers" in readme
+    with pytest.raises(SystemExit):
+        main(["build", "--preset", "tiny-arith-scratchpad", "--scratchpad", "maybe"])
+    assert "true or false" in capsys.readouterr().err

@@ -1,10 +1,12 @@
-"""The embedded model and the recipe that builds it.
+"""The embedded models and the recipe that builds them.
 
 `python -m labkit.zoo build` makes the default model from nothing: a character-level
 tokenizer over printable ASCII, a 2-layer, 128-wide Llama, and a supervised warm start on the
 default task's train split that stops early, on purpose, once greedy accuracy on a dev slice
 of the train split reaches `target`. The result leaves room for RL: it knows the answer
-format and is right on a fraction of held-out problems.
+format and is right on a fraction of held-out problems. `--preset tiny-arith-scratchpad`
+builds the second model with the same recipe on worked solutions of varying length (sums of
+2 to 5 one-digit numbers, the running results written before the boxed answer).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from labkit.tasks import DEFAULT_TASK, ArithmeticTask, Problem
+from labkit.tasks import ArithmeticTask, Problem
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 CHARS = ["\n", "\t"] + [chr(i) for i in range(32, 127)]
@@ -79,6 +81,23 @@ class Recipe:
     """Distinct held-out problems for the model card's figures."""
     test_samples: int = 4
     """Draws per held-out problem for sampled pass@1 at temperature 1."""
+    digits: int = 2
+    """Task: digits per operand."""
+    operands: int = 2
+    """Task: numbers per problem (the most, with min_operands)."""
+    min_operands: int = 0
+    """Task: fewest numbers per problem (0: always `operands`)."""
+    scratchpad: bool = False
+    """Task: the targets write the running results before the boxed answer."""
+
+    def task(self) -> ArithmeticTask:
+        """The task the model is warm-started on (addition)."""
+        return ArithmeticTask(digits=self.digits, operands=self.operands,
+                              min_operands=self.min_operands, scratchpad=self.scratchpad)
+
+    def max_new_tokens(self) -> int:
+        """Completion budget of the card's evaluation: the longest target, EOS and a margin."""
+        return max(16, len(self.task().longest_target()) + 5)
 
     def __post_init__(self):
         if not 0 < self.target <= 1:
@@ -93,6 +112,14 @@ class Recipe:
                              f"num_heads ({self.num_heads})")
         if not self.lr > 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
+        self.task()  # the task's own rules (digits, operands, min_operands)
+
+
+PRESETS = {
+    "tiny-arith": {},
+    "tiny-arith-scratchpad": dict(digits=1, operands=5, min_operands=2, scratchpad=True),
+}
+"""The embedded models by name: each one's Recipe fields besides the defaults."""
 
 
 def build_model(recipe: Recipe, vocab_size: int):
@@ -124,10 +151,12 @@ def sft_batch(tokenizer, problems: list[Problem]) -> dict[str, torch.Tensor]:
     }
 
 
-def train(recipe: Recipe, task: ArithmeticTask = DEFAULT_TASK, progress: bool = True):
-    """Supervised warm start; returns (model, tokenizer, log) with the dev curve in `log`."""
+def train(recipe: Recipe, progress: bool = True):
+    """Supervised warm start on `recipe.task()`; returns (model, tokenizer, log) with the dev
+    curve in `log`."""
     from labkit.evaluation import evaluate
 
+    task = recipe.task()
     random.seed(recipe.seed)
     torch.manual_seed(recipe.seed)
     tokenizer = build_tokenizer()
@@ -151,7 +180,8 @@ def train(recipe: Recipe, task: ArithmeticTask = DEFAULT_TASK, progress: bool = 
         schedule.step()
         optimizer.zero_grad(set_to_none=True)
         if (step + 1) % recipe.eval_every == 0:
-            dev_acc = evaluate(model, tokenizer, dev, samples=0)["eval/accuracy"]
+            dev_acc = evaluate(model, tokenizer, dev, samples=0,
+                               max_new_tokens=recipe.max_new_tokens())["eval/accuracy"]
             curve.append({"step": step + 1, "loss": round(loss.item(), 4), "dev_accuracy": dev_acc})
             bar.set_postfix(loss=f"{loss.item():.3f}", dev=f"{dev_acc:.2f}")
             model.train()
@@ -161,24 +191,27 @@ def train(recipe: Recipe, task: ArithmeticTask = DEFAULT_TASK, progress: bool = 
     return model.eval(), tokenizer, {"steps": step + 1, "curve": curve}
 
 
-def build(out: str | Path, recipe: Recipe | None = None, progress: bool = True) -> dict:
-    """Train the embedded model, measure it on held-out problems, and save it with its card."""
+def build(out: str | Path, recipe: Recipe | None = None, progress: bool = True,
+          name: str = "tiny-arith") -> dict:
+    """Train an embedded model, measure it on held-out problems, and save it with its card
+    (`name` heads the card)."""
     from labkit.evaluation import evaluate
 
     recipe = recipe or Recipe()
-    task = DEFAULT_TASK
+    task = recipe.task()
     start = time.perf_counter()
-    model, tokenizer, log = train(recipe, task, progress=progress)
+    model, tokenizer, log = train(recipe, progress=progress)
     train_s = time.perf_counter() - start
     test = task.sample(recipe.test_size, "test", seed=recipe.seed, distinct=True)
     figures = evaluate(model, tokenizer, test, samples=recipe.test_samples, seed=recipe.seed,
-                       progress=progress)
+                       max_new_tokens=recipe.max_new_tokens(), progress=progress)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     model.generation_config.do_sample = False
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     card = {
+        "name": name,
         "recipe": asdict(recipe),
         "task": asdict(task),
         "parameters": sum(p.numel() for p in model.parameters()),
@@ -197,16 +230,24 @@ def build(out: str | Path, recipe: Recipe | None = None, progress: bool = True) 
 def model_card(card: dict) -> str:
     """The human-readable model card (README.md beside the weights)."""
     r, f = card["recipe"], card["held_out"]
-    return f"""# tiny-arith: labkit's embedded default model
+    name = card.get("name", "tiny-arith")
+    role = "default model" if name == "tiny-arith" else "scratchpad model"
+    preset = "" if name == "tiny-arith" else f" --preset {name}"
+    count = (f"{r['operands']}" if not r.get("min_operands")
+             else f"{r['min_operands']} to {r['operands']}")
+    digits = f"{r['digits']} digit{'s' * (r['digits'] > 1)}"
+    task = (f"addition of {count} numbers of up to {digits}, prompt `a+b=`, target "
+            + ("the running results, then `\\boxed{sum}<eos>`, e.g. `3+4=7,7+5=12. "
+               "\\boxed{12}`" if r.get("scratchpad") else "`\\boxed{a+b}<eos>`"))
+    return f"""# {name}: labkit's embedded {role}
 
 A {card['parameters']:,}-parameter Llama ({r['num_layers']} layers, width {r['hidden_size']},
 {r['num_heads']} heads, SwiGLU {r['intermediate_size']}, tied embeddings) with a
 character-level tokenizer over printable ASCII (<pad>=0, <bos>=1, <eos>=2, <unk>=3).
 Loads with `AutoModelForCausalLM.from_pretrained` and `AutoTokenizer.from_pretrained`.
 
-## Recipe (`python -m labkit.zoo build --seed {r['seed']}`)
-Supervised warm start on the train split of the default task (two-digit addition, prompt
-`a+b=`, target `\\boxed{{a+b}}<eos>`, loss on the target only): AdamW, lr {r['lr']} after
+## Recipe (`python -m labkit.zoo build{preset} --seed {r['seed']}`)
+Supervised warm start on the train split of its task ({task}; loss on the target only): AdamW, lr {r['lr']} after
 {r['warmup_steps']} warmup steps, batch {r['batch_size']}, grad-norm clip 1.0. Training stops
 early, on purpose, at the first dev evaluation (every {r['eval_every']} steps, greedy, on
 {r['dev_size']} train-split problems) with accuracy >= {r['target']}: here after

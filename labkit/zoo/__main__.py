@@ -7,8 +7,8 @@ import dataclasses
 import json
 import sys
 
-from labkit.models import EMBEDDED_PATH
-from labkit.zoo import Recipe, build
+from labkit.models import EMBEDDED
+from labkit.zoo import PRESETS, Recipe, build
 
 LOW, HIGH = 0.15, 0.60
 
@@ -18,21 +18,28 @@ def main(argv: list[str] | None = None) -> int:
                                      description="Build labkit's embedded tiny model.")
     sub = parser.add_subparsers(dest="command", required=True)
     cmd = sub.add_parser("build", help="train the model from scratch and write it with its card")
-    cmd.add_argument("--out", default=str(EMBEDDED_PATH),
-                     help="folder to write (default: the embedded model's folder in the package)")
+    cmd.add_argument("--preset", choices=sorted(PRESETS), default="tiny-arith",
+                     help="which embedded model: its task fields and its folder "
+                          "(default: tiny-arith)")
+    cmd.add_argument("--out", default=None,
+                     help="folder to write (default: the preset's folder in the package)")
     for field in dataclasses.fields(Recipe):
-        cmd.add_argument(f"--{field.name.replace('_', '-')}", type=type(field.default),
-                         default=field.default, help=f"(default: {field.default})")
+        kind = _bool if isinstance(field.default, bool) else type(field.default)
+        cmd.add_argument(f"--{field.name.replace('_', '-')}", type=kind, default=None,
+                         help=f"(default: {field.default}, or the preset's)")
     cmd.add_argument("--no-check", action="store_true",
                      help=f"do not fail when held-out accuracy leaves [{LOW}, {HIGH}]")
     args = parser.parse_args(argv)
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(Recipe)
+             if getattr(args, f.name) is not None}
     try:
-        recipe = Recipe(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Recipe)})
+        recipe = Recipe(**{**PRESETS[args.preset], **given})
     except ValueError as e:
         parser.error(str(e))
-    card = build(args.out, recipe)
+    out = args.out or str(EMBEDDED[args.preset])
+    card = build(out, recipe, name=args.preset)
     figures = card["held_out"]
-    print(json.dumps({"out": args.out, "sft_steps": card["sft_steps"],
+    print(json.dumps({"out": out, "sft_steps": card["sft_steps"],
                       "train_seconds": card["train_seconds"], **figures}))
     in_band = all(LOW <= figures[key] <= HIGH for key in ("eval/accuracy", "eval/pass@1"))
     if not in_band and not args.no_check:
@@ -40,6 +47,14 @@ def main(argv: list[str] | None = None) -> int:
               "leave room for RL; change --target or --seed", file=sys.stderr)
         return 1
     return 0
+
+
+def _bool(text: str) -> bool:
+    if text.lower() in ("true", "1", "yes"):
+        return True
+    if text.lower() in ("false", "0", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
 if __name__ == "__main__":
