@@ -110,6 +110,47 @@ def ratio_interval(a: Sequence[float], b: Sequence[float], confidence: float = 0
     return Interval(math.exp(logs.mean), low, high, logs.n, method, confidence)
 
 
+def _counts(k: int, n: int, name: str) -> None:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"{name}: n must be an int >= 1, got {n!r}")
+    if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= n:
+        raise ValueError(f"{name}: k must be an int in [0, n={n}], got {k!r}")
+
+
+def proportion_interval(k: int, n: int, confidence: float = 0.95,
+                        unit: str = "runs") -> Interval:
+    """k of n units (runs that collapsed, say) as a proportion with the Clopper-Pearson exact
+    binomial interval, from scipy.stats.binomtest."""
+    from scipy import stats
+
+    _check_confidence(confidence)
+    _counts(k, n, "proportion_interval")
+    ci = stats.binomtest(k, n).proportion_ci(confidence, method="exact")
+    return Interval(k / n, float(ci.low), float(ci.high), n,
+                    f"Clopper-Pearson exact, {k} of {n} {unit}", confidence)
+
+
+def proportion_difference(k1: int, n1: int, k2: int, n2: int, confidence: float = 0.95,
+                          unit: str = "runs") -> Interval:
+    """p1 - p2 of two independent proportions k1/n1 and k2/n2 with Newcombe's hybrid score
+    interval (his method 10): from the Wilson intervals [l, u] of each (scipy.stats),
+    p1 - p2 - sqrt((p1 - l1)^2 + (u2 - p2)^2) to p1 - p2 + sqrt((u1 - p1)^2 + (p2 - l2)^2).
+    Its n is n1 + n2."""
+    from scipy import stats
+
+    _check_confidence(confidence)
+    _counts(k1, n1, "proportion_difference (first)")
+    _counts(k2, n2, "proportion_difference (second)")
+    p1, p2 = k1 / n1, k2 / n2
+    w1 = stats.binomtest(k1, n1).proportion_ci(confidence, method="wilson")
+    w2 = stats.binomtest(k2, n2).proportion_ci(confidence, method="wilson")
+    d = p1 - p2
+    low = d - math.sqrt((p1 - w1.low) ** 2 + (w2.high - p2) ** 2)
+    high = d + math.sqrt((w1.high - p1) ** 2 + (p2 - w2.low) ** 2)
+    return Interval(d, low, high, n1 + n2,
+                    f"Newcombe score interval, {k1}/{n1} vs {k2}/{n2} {unit}", confidence)
+
+
 def binomial_se(p: float, n: int) -> float:
     """Standard error of an accuracy p measured on n problems: sqrt(p (1 - p) / n)."""
     if n < 1:

@@ -87,8 +87,10 @@ def test_claim_files_name_a_claim_and_check_against_their_notebooks():
     for file in files:
         for smoke in (False, True):
             sweep = load_sweep(file, smoke=smoke)
-            assert {"id", "statement", "source"} <= set(sweep.claim), file.name
-            assert file.name.startswith(f"{sweep.claim['id']:02d}_")
+            assert sweep.claims, file.name
+            for claim in sweep.claims:
+                assert {"id", "statement", "source"} <= set(claim), file.name
+            assert file.name.startswith(f"{sweep.claims[0]['id']:02d}_")
 
 
 def test_a_sweep_without_a_claim_is_refused(tmp_path):
@@ -131,3 +133,26 @@ def test_a_claims_smoke_sweep_feeds_the_page(tmp_path):
     assert all(any(f"**{v}**" in row for v in stats.VERDICTS) for row in rows)
     assert all(f"{torch.backends.cpu.get_cpu_capability()}, 1 thread" in row for row in rows)
     assert "3 seeds" in rows[0] and "step time" in rows[0] and "memory" in rows[1]
+
+
+def test_one_sweep_can_answer_several_claims_by_words_or_numbers(finished):
+    claims, root, out = finished
+    text = (claims / "07_fixture.yaml").read_text().replace(
+        """claim:
+  id: 7
+  statement: "the fixture's claim"
+  source: "an article"
+  findings: [1, 2, 3]
+""", """claims:
+  - {id: 7, statement: "first", source: "an article", findings: ["wide", "wrong"]}
+  - {id: 8, statement: "second", source: "another", findings: [2]}
+""")
+    (claims / "07_fixture.yaml").write_text(text)
+    results = {r.claim["id"]: r for r in findings.collect(claims, root)}
+    assert [row["question"] for row in results[7].rows] == ["wide", "wrong label"]
+    assert [row["question"] for row in results[8].rows] == ["clear"]
+    assert results[8].runs_done == 1
+    both = text.replace("claims:", "claim: {id: 9}\nclaims:")
+    (claims / "07_fixture.yaml").write_text(both)
+    with pytest.raises(ValueError, match="not both"):
+        findings.collect(claims, root)

@@ -92,3 +92,42 @@ def test_min_detectable_shrinks_with_seeds():
     assert stats.min_detectable(1.0, 5) == pytest.approx((2.776445 + 0.940965) / math.sqrt(5),
                                                          rel=1e-5)
     assert stats.min_detectable(1.0, 10) < stats.min_detectable(1.0, 5) < stats.min_detectable(1.0, 3)
+
+
+def test_clopper_pearson_is_the_beta_quantile_interval():
+    """The exact interval is [Beta(a/2; k, n-k+1), Beta(1-a/2; k+1, n-k)] (the textbook form),
+    0 and 1 at the ends."""
+    from scipy.stats import beta
+
+    for k, n in [(3, 12), (0, 5), (5, 5), (40, 100)]:
+        found = stats.proportion_interval(k, n)
+        low = beta.ppf(0.025, k, n - k + 1) if k > 0 else 0.0
+        high = beta.ppf(0.975, k + 1, n - k) if k < n else 1.0
+        assert found.mean == pytest.approx(k / n)
+        assert (found.low, found.high) == (pytest.approx(low), pytest.approx(high))
+        assert found.n == n and f"{k} of {n}" in found.method
+
+
+def test_newcombe_difference_matches_the_published_examples():
+    """Newcombe (1998), Statistics in Medicine 17:873, Table II, method 10: 56/70 - 48/80
+    is 0.0524 to 0.3339, and 9/10 - 3/10 is 0.1705 to 0.8090."""
+    found = stats.proportion_difference(56, 70, 48, 80)
+    assert found.mean == pytest.approx(0.2)
+    assert (round(found.low, 4), round(found.high, 4)) == (0.0524, 0.3339)
+    found = stats.proportion_difference(9, 10, 3, 10)
+    assert (round(found.low, 4), round(found.high, 4)) == (0.1705, 0.8090)
+    assert stats.verdict(found, above=0) == stats.SUPPORTED
+    # no collapse on either side: the interval straddles 0
+    same = stats.proportion_difference(0, 12, 0, 12)
+    assert same.low < 0 < same.high and stats.verdict(same, above=0) == stats.INCONCLUSIVE
+
+
+@pytest.mark.parametrize("call, words", [
+    (lambda: stats.proportion_interval(3, 0), "n must be an int >= 1"),
+    (lambda: stats.proportion_interval(4, 3), r"k must be an int in \[0, n=3\]"),
+    (lambda: stats.proportion_interval(1.5, 3), "k must be an int"),
+    (lambda: stats.proportion_difference(1, 2, 3, 2), "second"),
+])
+def test_proportions_name_the_bad_count(call, words):
+    with pytest.raises(ValueError, match=words):
+        call()

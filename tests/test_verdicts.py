@@ -90,3 +90,98 @@ def test_parse_arms_reads_fields_and_names_the_bad_part():
                         (" ; ", "at least one arm")]:
         with pytest.raises(ValueError, match=words):
             parse_arms(text)
+
+
+# --- collapse, factors, monitors, diagnostics ------------------------------------------------
+
+def test_collapse_step_reads_truncation_accuracy_and_dead_spells():
+    from labkit.lab.summaries import collapse_step
+
+    calm = [{"step": 0, "eval/accuracy": 0.3}, {"step": 1, "rollout/truncated_frac": 0.2},
+            {"step": 2, "eval/accuracy": 0.04}]  # 0.04 >= 0.1 * 0.3
+    assert collapse_step(calm, 0.3) is None
+    assert collapse_step(calm + [{"step": 3, "eval/accuracy": 0.02}], 0.3) == 3
+    assert collapse_step(calm + [{"step": 3, "rollout/truncated_frac": 0.9}], 0.3) == 3
+    dead = {"step": 30, "first": 11, "truncated": False, "reward_mean": 0.0}
+    assert collapse_step(calm, 0.3, dead) == 11
+    solved = dead | {"reward_mean": 1.0}  # every completion right: not a collapse
+    assert collapse_step(calm, 0.3, solved) is None
+
+
+FACTORIAL = {"base": {"beta": 0.0, "eps_low": 0.9, "eps_high": 9.0},
+             "kl": {"beta": 0.1, "eps_low": 0.9, "eps_high": 9.0},
+             "clip": {"beta": 0.0, "eps_low": 0.2, "eps_high": 0.2},
+             "both": {"beta": 0.1, "eps_low": 0.2, "eps_high": 0.2}}
+
+
+def _factorial_rows(collapsed, gains):
+    return [_row(arm, seed, gains[arm][seed], 0.1, 1.0, collapsed=collapsed[arm][seed])
+            for arm in FACTORIAL for seed in range(3)]
+
+
+def test_factor_findings_count_collapses_per_level_and_pair_gains_by_seed():
+    collapsed = {"base": [1, 1, 1], "kl": [0, 0, 1], "clip": [1, 1, 0], "both": [0, 0, 0]}
+    gains = {"base": [0.0, 0.1, 0.2], "kl": [0.1, 0.2, 0.3], "clip": [0.0, 0.1, 0.2],
+             "both": [0.1, 0.2, 0.3]}
+    kl_rate, kl_gain, clip_rate, clip_gain = verdicts.factor_findings(
+        _factorial_rows(collapsed, gains), FACTORIAL)
+    # beta: 5 of 6 runs at beta=0 collapsed, 1 of 6 at beta=0.1
+    assert kl_rate.question == "fewer runs collapse with beta=0.1 than with beta=0.0"
+    ref = stats.proportion_difference(5, 6, 1, 6)
+    assert (kl_rate.interval.mean, kl_rate.interval.low) == (pytest.approx(ref.mean),
+                                                             pytest.approx(ref.low))
+    # gains: beta=0.1 is 10 points above beta=0 on every one of the 6 pairs
+    assert kl_gain.interval.mean == pytest.approx(10.0) and kl_gain.interval.n == 6
+    # eps_low and eps_high always change together: one factor, named by both
+    assert clip_rate.question == ("fewer runs collapse with eps_low=0.2, eps_high=0.2 than "
+                                  "with eps_low=0.9, eps_high=9.0")
+    assert clip_rate.interval.mean == pytest.approx(4 / 6 - 2 / 6)
+    assert clip_gain.interval.mean == pytest.approx(0.0)
+
+
+def test_monitor_findings_ask_whether_a_line_fires_before_the_collapse():
+    def history(entropies, collapse=None):
+        return [{"step": s, "policy/entropy": e} for s, e in enumerate(entropies, 1)]
+
+    low_early = history([0.5] * 6 + [2.0] * 4)          # fires at step 5 (5 in a row)
+    low_late = history([2.0] * 6 + [0.5] * 5)           # fires at step 11
+    quiet = history([2.0] * 10)
+    histories = {"a": low_early, "b": low_late, "c": quiet, "d": low_early}
+    rows = [{"run": "a", "collapsed": 1, "collapse_step": 8},   # warned (5 < 8)
+            {"run": "b", "collapsed": 1, "collapse_step": 8},   # fired after: no warning
+            {"run": "c", "collapsed": 0}, {"run": "d", "collapsed": 0}]  # d: a false alarm
+    warned, false = verdicts.monitor_findings(rows, histories, ["policy/entropy<1 for 5"])
+    assert warned.question == "policy/entropy<1 for 5 fires before a collapse"
+    assert warned.interval.mean == 0.5 and warned.interval.n == 2
+    assert false.interval.mean == 0.5 and false.direction == "below"
+    assert "Clopper-Pearson" in warned.interval.method
+
+
+def test_diagnostic_findings_take_the_critic_over_the_group_per_run():
+    keys = ("diag/grad_rel_var_raw/ppo_critic", "diag/grad_rel_var_raw/grpo",
+            "diag/grad_rel_var/ppo_gae", "diag/grad_rel_var/grpo",
+            "diag/baseline_mse/ppo_critic", "diag/baseline_mse/grpo")
+    histories, rows = {}, []
+    for seed, scale in enumerate((2.0, 3.0, 4.0)):
+        first = {"step": 0, **dict(zip(keys, (8.0, 1.0, 8.0, 1.0, 0.5, 0.1)))}
+        last = {"step": 50, **dict(zip(keys, (scale, 1.0, scale, 1.0, 0.05, 0.1)))}
+        histories[f"ppo/seed={seed}"] = [first, {"step": 1}, last]
+        rows.append({"run": f"ppo/seed={seed}", "arm": "ppo", "seed": seed, "algo": "ppo"})
+    start, end, trained, mse = verdicts.diagnostic_findings(rows, histories)
+    assert start.question.startswith("at step 0") and start.interval.mean == pytest.approx(8.0)
+    assert end.question.startswith("at step 50")
+    assert end.interval.mean == pytest.approx(24 ** (1 / 3))  # geometric mean of 2, 3, 4
+    assert trained.threshold == pytest.approx(1 / 0.37)
+    assert mse.interval.mean == pytest.approx(0.5) and mse.verdict == stats.REFUTED
+    assert verdicts.diagnostic_findings(rows[:1], histories) == []  # one run: no interval
+
+
+def test_answer_asks_the_chosen_questions_and_refuses_others():
+    rows = [_row(arm, s, 0.1 * s, 0.1, 1.0, length_final=10.0 + s + (arm == "b"), collapsed=0)
+            for arm in ("a", "b") for s in range(3)]
+    found = verdicts.answer(["gain", "length"], rows, {}, {"a": {}, "b": {}})
+    assert [f.question for f in found] == ["b gains more held-out accuracy than a",
+                                           "b ends with longer completions than a"]
+    assert found[1].interval.mean == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="questions"):
+        verdicts.answer(["speed"], rows, {}, {})

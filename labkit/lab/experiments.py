@@ -176,9 +176,7 @@ def parse_arms(text: str) -> dict[str, dict]:
     arms separated by ';', each 'NAME: FIELD=VALUE, ...' with TrainConfig fields, values read
     as the field's type ('none' is None for a number or bool). Checked here, before any run
     starts."""
-    from labkit.config import field_types
-
-    types, arms = field_types(), {}
+    arms = {}
     for part in (p.strip() for p in str(text).split(";")):
         if not part:
             continue
@@ -189,19 +187,27 @@ def parse_arms(text: str) -> dict[str, dict]:
                              "letters, digits, '.', '_', '-', '+', '='")
         if name in arms:
             raise ValueError(f"arms: {name!r} is named twice")
-        overrides = {}
-        for item in (i.strip() for i in _split_top(rest)):
-            if not item:
-                continue
-            key, eq, value = (x.strip() for x in item.partition("="))
-            if not eq or key not in types:
-                raise ValueError(f"arms: {name}: {item!r} must be FIELD=VALUE with FIELD a "
-                                 f"TrainConfig field (valid: {sorted(types)})")
-            overrides[key] = _typed(value, types[key], f"arms: {name}: {key}")
-        arms[name] = overrides
+        arms[name] = parse_fields(rest, f"arms: {name}")
     if not arms:
         raise ValueError(f"arms must name at least one arm, got {text!r}")
     return arms
+
+
+def parse_fields(text: str, where: str = "fields") -> dict:
+    """"scratchpad=true, max_new_tokens=48" -> {field: value} of TrainConfig fields, each
+    value read as its field's type ('none' is None for a number or bool)."""
+    from labkit.config import field_types
+
+    types, out = field_types(), {}
+    for item in (i.strip() for i in _split_top(str(text))):
+        if not item:
+            continue
+        key, eq, value = (x.strip() for x in item.partition("="))
+        if not eq or key not in types:
+            raise ValueError(f"{where}: {item!r} must be FIELD=VALUE with FIELD a "
+                             f"TrainConfig field (valid: {sorted(types)})")
+        out[key] = _typed(value, types[key], f"{where}: {key}")
+    return out
 
 
 def _split_top(text: str) -> list[str]:

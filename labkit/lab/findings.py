@@ -111,25 +111,41 @@ def collect(claims_dir: str | Path = CLAIMS_DIR, root: str | Path | None = None,
     results = []
     for file in files:
         sweep = load_sweep(file, smoke=smoke)
-        if not sweep.claim:
+        if not sweep.claims:
             raise ValueError(f"{file.name} has no `claim:` block: it is a sweep, not a claim")
-        result = ClaimResult(file, sweep.claim)
         runs = plan(sweep, root)
-        result.runs_total = len(runs)
-        for run in runs:
-            if run.status != "done":
-                continue
-            result.runs_done += 1
-            wanted = sweep.claim.get("findings") or _finding_numbers(run.summary)
-            result.rows += [finding_row(run.summary, k, run.id) for k in wanted
-                            if f"finding{k}/verdict" in run.summary]
-            kinds, commits = _machines(run.path)
-            result.machines |= kinds
-            result.commits |= commits
-            result.compute_s += sum(v for key, v in run.summary.items()
-                                    if key.endswith("/wall_s") and isinstance(v, (int, float)))
-        results.append(result)
+        for claim in sweep.claims:
+            result = ClaimResult(file, claim)
+            result.runs_total = len(runs)
+            for run in runs:
+                if run.status != "done":
+                    continue
+                result.runs_done += 1
+                result.rows += [finding_row(run.summary, k, run.id)
+                                for k in selected(run.summary, claim.get("findings"))]
+                kinds, commits = _machines(run.path)
+                result.machines |= kinds
+                result.commits |= commits
+                result.compute_s += sum(v for key, v in run.summary.items()
+                                        if key.endswith("/wall_s")
+                                        and isinstance(v, (int, float)))
+            results.append(result)
     return sorted(results, key=lambda r: r.claim.get("id", 0))
+
+
+def selected(summary: dict, wanted: list | None) -> list[int]:
+    """The numbers of a summary's findings that a claim's `findings:` picks: a number picks
+    that finding, a string every finding whose question contains it; none: all of them."""
+    numbers = _finding_numbers(summary)
+    if not wanted:
+        return numbers
+    out = []
+    for item in wanted:
+        if isinstance(item, int) and not isinstance(item, bool):
+            out += [item] if item in numbers else []
+        else:
+            out += [k for k in numbers if str(item) in str(summary.get(f"finding{k}/question"))]
+    return list(dict.fromkeys(out))
 
 
 def _cell(text) -> str:

@@ -48,11 +48,42 @@ def state_mb(config: TrainConfig) -> float:
     return floats * 4 / 2**20
 
 
+COLLAPSE_TRUNCATED = 0.9
+"""A run has collapsed at the first step where this share of its completions hit
+max_new_tokens without EOS (it lost the EOS token)..."""
+COLLAPSE_ACCURACY = 0.1
+"""... or at the first evaluation whose held-out accuracy is below this fraction of the
+accuracy before training (accuracy -> 0), or where it was found dead."""
+
+
+def collapse_step(history: Sequence[dict], accuracy_before: float,
+                  dead: dict | None = None) -> int | None:
+    """The step at which a run collapsed (COLLAPSE_TRUNCATED, COLLAPSE_ACCURACY), or None.
+    A dead run (`dead`, labkit.stops.Dead.to_dict()) whose completions were truncated or all
+    scored 0 collapsed where its dead spell began, if nothing above came first (a run dead
+    because every completion scored alike and well has solved its task)."""
+    found = []
+    for record in history:
+        step = record.get("step", 0)
+        truncated = record.get("rollout/truncated_frac")
+        accuracy = record.get("eval/accuracy")
+        if isinstance(truncated, (int, float)) and truncated >= COLLAPSE_TRUNCATED:
+            found.append(step)
+        if step > 0 and isinstance(accuracy, (int, float)) \
+                and accuracy < COLLAPSE_ACCURACY * accuracy_before:
+            found.append(step)
+    if dead is not None and (dead.get("truncated") or dead.get("reward_mean") == 0):
+        found.append(dead["first"])
+    return min(found) if found else None
+
+
 def summary_rows(results: Mapping[str, RunResult]) -> list[dict]:
     """One row per run (its `arm`, the name without "/seed=s", and its `seed`): accuracy
     before/after and their difference (`gain`), final reward, cost, the mean over steps of
-    KL, entropy, clip fractions and GAV (missing keys left out), and
-    whether the run was found dead (`dead_run` 1 or 0; `dead_step`, the step it was found)."""
+    KL, entropy, clip fractions, GAV and completion length (`length`; `length_final` over
+    the last fifth of the steps; missing keys left out), whether the run was found dead
+    (`dead_run` 1 or 0; `dead_step`, the step it was found) and whether it collapsed
+    (`collapsed` 1 or 0; `collapse_step`, see `collapse_step`)."""
     rows = []
     for name, result in results.items():
         h, c = result.history, result.config
@@ -69,11 +100,17 @@ def summary_rows(results: Mapping[str, RunResult]) -> list[dict]:
         means = {"kl": "policy/kl", "kl_k1": "policy/kl_k1", "entropy": "policy/entropy",
                  "clip_low": "clip/low", "clip_high": "clip/high", "clip_total": "clip/total",
                  "reuse_clip_total": "reuse/clip_total", "gav": "adv/gav",
-                 "frac_zero_std": "rollout/frac_zero_std"}
+                 "frac_zero_std": "rollout/frac_zero_std", "length": "rollout/length_mean"}
         row |= {k: _mean(_values(h, key)) for k, key in means.items()}
+        lengths = _values(h, "rollout/length_mean")
+        row["length_final"] = _mean(lengths[-max(1, len(lengths) // 5):])
         row["dead_run"] = int(result.dead is not None)
         if result.dead is not None:
             row["dead_step"] = result.dead["step"]
+        collapsed = collapse_step(h, result.accuracy_before, result.dead)
+        row["collapsed"] = int(collapsed is not None)
+        if collapsed is not None:
+            row["collapse_step"] = collapsed
         rows.append({k: v for k, v in row.items() if v is not None})
     return rows
 

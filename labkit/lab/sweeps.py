@@ -15,7 +15,9 @@ The YAML (its schema is repeated at the top of each file in experiments/):
       id: 1                      #   (labkit.lab.findings reads it; the sweep ignores it)
       statement: GRPO's step costs less time and memory than PPO's
       source: the article's title
-      findings: [2, 3]           #   which of the notebook's findings answer it (default: all)
+      findings: [2, 3]           #   which of the notebook's findings answer it (default: all):
+                                 #   numbers, or words that a finding's question contains
+    claims: [{id: 4, ...}, ...]  # instead of claim: several claims answered by the same runs
 
 Every value is checked against the notebook's parameters cell before any run starts.
 The run id is the grid values and the seed, `group_size=4,seed=1`, so it is the same on every
@@ -42,7 +44,7 @@ from labkit.lab.runner import (PARAMETERS_FILE, RUNNER_OWNED, RunFailed, check_c
                            check_value, execute, finite_or_none, is_number,
                            notebook_parameters, read_summary, unknown_names)
 
-KEYS = ("notebook", "name", "parameters", "grid", "seeds", "smoke", "claim")
+KEYS = ("notebook", "name", "parameters", "grid", "seeds", "smoke", "claim", "claims")
 SMOKE_KEYS = ("parameters", "grid", "seeds")
 CLAIM_KEYS = ("id", "statement", "source", "findings")
 CSV_NAME = "sweep.csv"
@@ -59,8 +61,8 @@ class Sweep:
     parameters: dict
     grid: dict[str, list]
     seeds: list[int]
-    claim: dict = field(default_factory=dict)
-    """experiments/claims/: the claim the sweep tests (labkit.lab.findings); {} otherwise."""
+    claims: list[dict] = field(default_factory=list)
+    """experiments/claims/: the claims the sweep tests (labkit.lab.findings); [] otherwise."""
 
 
 @dataclass
@@ -122,9 +124,14 @@ def load_sweep(path: str | Path, smoke: bool = False) -> Sweep:
     if not notebook.is_file():
         raise FileNotFoundError(f"{where}: notebook {spec['notebook']} (relative to the YAML "
                                 f"file) not found at {notebook}")
-    claim = dict(_mapping(spec.get("claim") or {}, f"{where}: claim", CLAIM_KEYS))
+    if spec.get("claim") and spec.get("claims"):
+        raise ValueError(f"{where}: give `claim:` or `claims:`, not both")
+    blocks = spec.get("claims") or ([spec["claim"]] if spec.get("claim") else [])
+    if not isinstance(blocks, list):
+        raise ValueError(f"{where}: claims must be a list of claim blocks")
+    claims = [dict(_mapping(b, f"{where}: claim", CLAIM_KEYS)) for b in blocks]
     checked = _checked(Sweep(notebook, name, parameters, grid, seeds), where)
-    checked.claim = claim
+    checked.claims = claims
     return checked
 
 
