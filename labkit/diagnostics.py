@@ -300,6 +300,32 @@ def measure(sampler: Sampler, params: Sequence[Tensor], config, *, group_size: i
     return record
 
 
+def informative_share(rewards: Tensor, group_sizes: Sequence[int]) -> dict[int, dict]:
+    """The share of groups of G whose rewards are not all equal (groups that teach), as
+    independence predicts it from M samples per prompt: rewards (B, M) -> {G: {"per_prompt",
+    "at_mean"}}.
+
+    per_prompt: the mean over prompts of 1 - P(G draws all equal), each prompt with its own
+    reward distribution: P = sum over reward values v of p_v^G, estimated without bias by
+    C(k_v, G) / C(M, G) (k_v of the M samples scored v). For 0/1 rewards this is
+    1 - p^G - (1-p)^G averaged over the prompts' own p. at_mean: the same formula at the
+    pooled distribution (for 0/1 rewards, at the mean p), which overstates the share when p
+    varies across prompts (1 - p^G - (1-p)^G is concave in p). Needs G <= M."""
+    r = rewards.detach().double().cpu()
+    B, M = r.shape
+    if any(g < 1 or g > M for g in group_sizes):
+        raise ValueError(f"every G must be in [1, M={M}], got {list(group_sizes)}")
+    values = torch.unique(r)
+    counts = torch.stack([(r == v).sum(1) for v in values], 1)  # (B, V)
+    pooled = counts.sum(0).double() / (B * M)  # (V,)
+    out = {}
+    for g in group_sizes:
+        equal = sum(math.comb(int(k), g) for k in counts.flatten()) / (B * math.comb(M, g))
+        out[int(g)] = {"per_prompt": 1.0 - equal,
+                       "at_mean": float(1.0 - (pooled ** g).sum())}
+    return out
+
+
 def flat_metrics(record: dict) -> dict[str, float]:
     """The record's figures as flat floats for metrics.jsonl: `diag/baseline_mse/<e>`,
     `diag/baseline_bias/<e>`, `diag/grad_rel_var/<e>` and `diag/grad_cos/<e>` (as trained),
@@ -318,4 +344,4 @@ def flat_metrics(record: dict) -> dict[str, float]:
 
 __all__ = ["GROUP_ESTIMATORS", "CRITIC_ROWS", "MODES", "Draw", "Sampler", "group_baselines",
            "raw_advantages", "advantage_rows", "surrogate_gradients", "v_star",
-           "baseline_error", "gradient_noise", "measure", "flat_metrics"]
+           "baseline_error", "gradient_noise", "measure", "flat_metrics", "informative_share"]

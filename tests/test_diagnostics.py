@@ -358,3 +358,29 @@ def test_diag_fields_are_checked_before_any_model_loads():
         TrainConfig(diag_every=1, diag_prompts=9, eval_n=8)
     assert TrainConfig().diag_every == 0  # default runs measure nothing
     TrainConfig(stop_rules="diag/grad_rel_var/grpo>5 for 2")  # a stop rule may read them
+
+
+def test_informative_share_counts_the_subsets_whose_rewards_all_agree():
+    """per_prompt is the share of G-subsets of each prompt's M samples whose rewards are
+    not all equal (the U-statistic of 1 - sum_v p_v^G), averaged over prompts; at_mean the
+    formula 1 - p^G - (1-p)^G at the mean p (0/1 rewards)."""
+    import itertools
+
+    from labkit.diagnostics import informative_share
+
+    gen = torch.Generator().manual_seed(0)
+    rewards = (torch.rand(5, 7, generator=gen) < torch.tensor([[0.1], [0.5], [0.9], [0.0],
+                                                               [0.6]])).float()
+    found = informative_share(rewards, [2, 3, 7])
+    for g in (2, 3, 7):
+        shares = []
+        for row in rewards.tolist():
+            subsets = list(itertools.combinations(row, g))
+            shares.append(sum(len(set(s)) > 1 for s in subsets) / len(subsets))
+        assert found[g]["per_prompt"] == pytest.approx(sum(shares) / 5)
+        p = rewards.mean().item()
+        assert found[g]["at_mean"] == pytest.approx(1 - p ** g - (1 - p) ** g)
+    three = informative_share(torch.tensor([[0.0, 0.5, 1.0, 1.0]]), [2])  # 3 reward values
+    assert three[2]["per_prompt"] == pytest.approx(1 - 1 / 6)
+    with pytest.raises(ValueError, match="M=7"):
+        informative_share(rewards, [8])

@@ -185,3 +185,22 @@ def test_answer_asks_the_chosen_questions_and_refuses_others():
     assert found[1].interval.mean == pytest.approx(1.0)
     with pytest.raises(ValueError, match="questions"):
         verdicts.answer(["speed"], rows, {}, {})
+
+
+def test_informative_findings_compare_the_first_steps_with_each_prediction():
+    histories, rows = {}, []
+    for g, seen in ((2, (0.20, 0.25, 0.30)), (8, (0.60, 0.55, 0.65))):
+        for seed, share in enumerate(seen):
+            name = f"samples/G={g}/seed={seed}"
+            histories[name] = [{"step": 0}] + [{"step": s, "rollout/frac_zero_std": 1 - share}
+                                               for s in (1, 2, 3)] + \
+                [{"step": 4, "rollout/frac_zero_std": 0.0}]  # after the first steps: ignored
+            rows.append({"run": name, "group_size": g, "seed": seed})
+    prediction = {2: {"per_prompt": 0.25, "at_mean": 0.40}, 8: {"per_prompt": 0.6,
+                                                                "at_mean": 0.9}}
+    mean2, own2, mean8, own8 = verdicts.informative_findings(rows, histories, prediction)
+    assert mean2.question == "at G=2, the formula at the mean p overstates the share of " \
+                             "informative groups"
+    assert mean2.interval.mean == pytest.approx(15.0) and mean2.verdict == stats.SUPPORTED
+    assert own2.interval.mean == pytest.approx(0.0) and own2.verdict == stats.INCONCLUSIVE
+    assert mean8.interval.mean == pytest.approx(30.0) and own8.interval.n == 3

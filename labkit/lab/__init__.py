@@ -16,7 +16,7 @@ controls), `plots` (figures), `live` (notebook 03's live figure), `runner` and `
 from labkit.lab.blocks import figure_records, group_summary, ppo_row_advantages, problem
 from labkit.lab.experiments import (BUDGETS, DEFAULT_ARMS, NOTEBOOK_DEFAULTS,
                                     batch_prompts_for, compare, compare_arms, fresh_dir,
-                                    group_size_runs, histories,
+                                    group_size_runs, histories, informative_prediction,
                                     live_training, parse_arms, parse_fields, parse_list, project_root,
                                     resolve_run_dir, run_all, run_config, seed_list, setup)
 from labkit.lab.summaries import (describe, describe_diagnostics, describe_sweep,
@@ -25,12 +25,12 @@ from labkit.lab.summaries import (describe, describe_diagnostics, describe_sweep
 from labkit.lab.verdicts import (MONITORS, QUESTIONS, Finding, answer, arm_findings, arm_rows,
                                  describe_findings, diagnostic_findings, factor_findings,
                                  findings_summary, group_size_findings, grpo_vs_ppo,
-                                 monitor_findings)
+                                 informative_findings, monitor_findings)
 from labkit.lab.widgets import live_controls
 
 __all__ = ["BUDGETS", "DEFAULT_ARMS", "MONITORS", "NOTEBOOK_DEFAULTS", "QUESTIONS", "Finding",
            "answer", "arm_findings", "arm_rows", "diagnostic_findings", "factor_findings",
-           "monitor_findings", "parse_fields",
+           "monitor_findings", "parse_fields", "informative_findings", "informative_prediction",
            "batch_prompts_for", "compare", "compare_arms", "describe", "describe_diagnostics", "describe_findings",
            "describe_sweep", "figure_records", "final_diagnostics", "findings_summary",
            "flat_summary", "fresh_dir", "group_size_findings", "group_size_runs",

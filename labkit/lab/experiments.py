@@ -295,6 +295,27 @@ def group_size_runs(group_sizes: Sequence[int], budget: str, samples_per_step: i
     return run_all(configs, workers=workers)
 
 
+def informative_prediction(group_sizes: Sequence[int], *, prompts: int = 128,
+                           samples: int = 64, seed: int = 0, **fields) -> dict[int, dict]:
+    """What independence predicts for the share of informative groups (rewards not all
+    equal) at each G, at the start of training: `samples` (M) completions of each of
+    `prompts` training prompts from the untrained policy, scored as a run with `fields`
+    (TrainConfig) scores them, then `labkit.diagnostics.informative_share` (each prompt's
+    own reward distribution, and the pooled one). {G: {"per_prompt", "at_mean"}}."""
+    from labkit.diagnose import lm_sampler
+    from labkit.diagnostics import informative_share
+    from labkit.models import load
+    from labkit.tasks import ProblemSource
+
+    if samples < max(group_sizes):
+        raise ValueError(f"samples={samples} must be >= the largest G ({max(group_sizes)})")
+    config = TrainConfig(batch_prompts=prompts, seed=seed, **{**NOTEBOOK_DEFAULTS, **fields})
+    policy, tokenizer = load(config.model, device=config.device, dtype="fp32")
+    problems = ProblemSource(config).draw(10_007 * seed + 99_991)  # not any run's step stream
+    draw = lm_sampler(policy, tokenizer, problems, config)(samples, seed)
+    return informative_share(draw.rewards.view(prompts, samples), group_sizes)
+
+
 def live_training(live: Callable[[StepReport], None], *, run_dir: str | Path,
                   estimator: str = "grpo", seed: int = 0, **overrides) -> dict[str, RunResult]:
     """A GRPO run with `estimator`, then a PPO run of the same seed (same prompts each step),

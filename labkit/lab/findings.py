@@ -177,8 +177,42 @@ def table_rows(results: list[ClaimResult]) -> list[dict]:
     return out
 
 
-def render(results: list[ClaimResult], commit: str | None, smoke: bool = False) -> str:
-    """The findings page as markdown."""
+def figure_name(claim: dict) -> str:
+    """The file name of a claim's figure beside the page's folder: claim-<id>.svg."""
+    return f"claim-{claim.get('id', 'x')}.svg"
+
+
+def write_figures(results: list[ClaimResult], folder: str | Path) -> dict[str, str]:
+    """One static SVG per claim that has findings (`labkit.lab.plots.finding_intervals`,
+    exported by kaleido through a local Chrome or Chromium) into `folder`; returns
+    {claim id: file name}. Raises RuntimeError, naming what is missing, when it cannot
+    export."""
+    from labkit.lab import plots
+
+    try:
+        import kaleido  # noqa: F401 - only asks whether the exporter is installed
+    except ImportError:
+        raise RuntimeError("static figures need kaleido: pip install 'labkit[figures]'") from None
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    written = {}
+    for r in results:
+        if not r.rows:
+            continue
+        name = figure_name(r.claim)
+        fig = plots.finding_intervals(r.rows, title=f"claim {r.claim.get('id', '?')}")
+        try:
+            fig.write_image(folder / name, format="svg")
+        except Exception as e:  # noqa: BLE001 - kaleido's errors name the missing browser
+            raise RuntimeError(f"kaleido could not export {name}: {e}") from e
+        written[str(r.claim.get("id"))] = name
+    return written
+
+
+def render(results: list[ClaimResult], commit: str | None, smoke: bool = False,
+           figures: dict[str, str] | None = None, figures_dir: str = "findings") -> str:
+    """The findings page as markdown; `figures` ({claim id: file name} under `figures_dir`,
+    relative to the page) adds a figure per claim."""
     flag = " --smoke" if smoke else ""
     lines = ["# Findings", "",
              "The source articles' claims, each run as an experiment over paired seeds, with a "
@@ -196,6 +230,16 @@ def render(results: list[ClaimResult], commit: str | None, smoke: bool = False) 
         cells = [_cell(row[c]) for c in columns]
         cells[-1] = f"**{cells[-1]}**" if cells[-1] else ""
         lines.append("| " + " | ".join(cells) + " |")
+    if figures:
+        lines += ["", "## Figures", "",
+                  "Each finding's effect with its 95% interval (green supported, red refuted, "
+                  "grey inconclusive) and the threshold the claim needs it to clear (the dark "
+                  "tick).", ""]
+        for r in results:
+            name = figures.get(str(r.claim.get("id")))
+            if name:
+                lines += [f"### Claim {r.claim.get('id')}", "",
+                          f"![claim {r.claim.get('id')}]({figures_dir}/{name})", ""]
     lines += ["", "## Commands and compute", ""]
     for r in results:
         hours = r.compute_s / 3600
@@ -209,12 +253,25 @@ def render(results: list[ClaimResult], commit: str | None, smoke: bool = False) 
 
 
 def write_findings(out: str | Path = FINDINGS_PAGE, claims_dir: str | Path = CLAIMS_DIR,
-                   root: str | Path | None = None, smoke: bool = False) -> Path:
-    """Collect the claims' findings and write the page to `out`."""
+                   root: str | Path | None = None, smoke: bool = False,
+                   figures: bool = False) -> Path:
+    """Collect the claims' findings and write the page to `out`; with `figures`, an SVG per
+    claim into the folder named like the page (docs/findings/ beside docs/findings.md).
+    Figures that cannot be exported are said in one line on stderr; the page is written
+    without them."""
+    import sys
+
     from labkit.rundir import git_commit
 
     out = Path(out)
-    text = render(collect(claims_dir, root, smoke), git_commit(), smoke)
+    results = collect(claims_dir, root, smoke)
+    drawn = None
+    if figures:
+        try:
+            drawn = write_figures(results, out.with_suffix(""))
+        except RuntimeError as e:
+            print(f"warning: no figures: {e}", file=sys.stderr)
+    text = render(results, git_commit(), smoke, drawn, out.with_suffix("").name)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text, encoding="utf-8")
     return out

@@ -223,25 +223,48 @@ VERDICT_COLORS = {"supported": "#2ca02c", "refuted": "#d62728",
 
 
 def finding_intervals(rows: Sequence[dict], *, title: str | None = None) -> go.Figure:
-    """One claim's findings (rows of `labkit.lab.findings.finding_row`): each effect as a
-    point with its 95% interval, colored by verdict, beside a dashed line at the threshold
-    the claim needs it to clear. A finding without an interval (one seed) is a point."""
-    fig = go.Figure()
-    for row in rows:
+    """One claim's findings (rows of `labkit.lab.findings.finding_row`), one panel each with
+    its own scale (a claim may mix points, ratios and shares): the effect as a point with its
+    95% interval, colored by verdict, and a dark tick at the threshold the claim needs it to
+    clear. A finding without an interval (one seed) is a point."""
+    from plotly.subplots import make_subplots
+
+    rows = list(rows)
+    titles = [_wrap(f"{r['question']}" + (f" ({r['run']})" if r["run"] != "seed=0" else "")
+                    + f": {r['verdict']}") for r in rows]
+    fig = make_subplots(rows=max(len(rows), 1), cols=1, subplot_titles=titles,
+                        vertical_spacing=min(0.12, 0.6 / max(len(rows), 1)))
+    for k, row in enumerate(rows, 1):
         has_interval = math.isfinite(row["low"])
-        label = f"{row['question']} ({row['run']})" if row["run"] != "seed=0" else row["question"]
         error = dict(type="data", symmetric=False, array=[row["high"] - row["mean"]],
                      arrayminus=[row["mean"] - row["low"]]) if has_interval else None
-        fig.add_scatter(x=[row["mean"]], y=[label], error_x=error, mode="markers",
+        fig.add_scatter(x=[row["mean"]], y=[0], error_x=error, mode="markers",
                         marker=dict(size=10, color=VERDICT_COLORS.get(row["verdict"], "#000")),
-                        name=row["verdict"], showlegend=False,
+                        showlegend=False, row=k, col=1,
                         hovertext=f"{row['measure']}: {row['effect']}, {row['verdict']}")
         if row["threshold"] is not None:
-            fig.add_scatter(x=[row["threshold"]] * 2, y=[label, label], mode="markers",
+            fig.add_scatter(x=[row["threshold"]], y=[0], mode="markers", row=k, col=1,
                             marker=dict(symbol="line-ns", size=22, line=dict(width=2),
                                         color="#444"), showlegend=False, hoverinfo="skip")
-    fig.update_layout(title=title, height=120 + 60 * len(rows), xaxis_title="effect, 95% CI")
+        fig.update_xaxes(title_text=_wrap(row["measure"], 110), title_font_size=10,
+                         row=k, col=1)
+        fig.update_yaxes(visible=False, row=k, col=1)
+    fig.update_annotations(font_size=11)
+    fig.update_layout(title=title, height=110 + 125 * len(rows), width=900,
+                      margin=dict(l=30, r=30, t=90, b=30))
     return fig
+
+
+def _wrap(text: str, width: int = 100) -> str:
+    """`text` broken into lines of at most about `width` characters, joined by <br>."""
+    lines, line = [], ""
+    for word in str(text).split():
+        if line and len(line) + 1 + len(word) > width:
+            lines.append(line)
+            line = word
+        else:
+            line = f"{line} {word}" if line else word
+    return "<br>".join(lines + [line] if line else lines)
 
 
 class Table:

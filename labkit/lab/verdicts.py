@@ -343,6 +343,35 @@ def diagnostic_findings(rows: Sequence[dict],
     ]
 
 
+def informative_findings(rows: Sequence[dict], histories: Mapping[str, Sequence[dict]],
+                         prediction: Mapping[int, Mapping], first_steps: int = 3) -> list[Finding]:
+    """Notebook 02's check of the independence prediction (`prediction`, from
+    `labkit.lab.informative_prediction` at the untrained policy): per G, the share of
+    informative groups seen in each run's first `first_steps` steps (1 - frac_zero_std, the
+    policy still close to its start) against the prediction from each prompt's own p and
+    against the formula at the mean p, in points, t-interval over seeds. The articles'
+    formula at the mean p is claimed here to overstate the share (above 0); the per-prompt
+    prediction is the one that should hold (an interval around 0)."""
+    observed: dict[int, list[float]] = {}
+    for row in rows:
+        seen = [1 - r["rollout/frac_zero_std"] for r in histories[row["run"]]
+                if 1 <= r.get("step", 0) <= first_steps and "rollout/frac_zero_std" in r]
+        if seen and row["group_size"] in prediction:
+            observed.setdefault(row["group_size"], []).append(statistics.fmean(seen))
+    found = []
+    for g, shares in sorted(observed.items()):
+        for key, words in (("at_mean", "the formula at the mean p"),
+                           ("per_prompt", "the prediction from each prompt's own p")):
+            predicted = prediction[g][key]
+            found.append(finding(
+                f"at G={g}, {words} overstates the share of informative groups",
+                f"predicted - seen in steps 1-{first_steps}, points (predicted "
+                f"{100 * predicted:.1f})",
+                stats.mean_interval([100 * (predicted - x) for x in shares]), above=0.0,
+                digits=1))
+    return found
+
+
 QUESTIONS = ("gain", "length", "collapse", "monitors", "diagnostics")
 """What notebook 05 asks of its runs (its `questions` parameter)."""
 
