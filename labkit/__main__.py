@@ -229,12 +229,16 @@ def _findings_parser(sub) -> None:
                      help="folder of claim YAML files (default: experiments/claims)")
     cmd.add_argument("--root", default=None, help="runs root (default: experiments/runs)")
     cmd.add_argument("--smoke", action="store_true", help="read the claims' smoke runs")
+    cmd.add_argument("--no-figures", action="store_true",
+                     help="write the table only, no SVG figure per claim (the figures need "
+                          "kaleido, the `figures` extra, and a Chrome or Chromium)")
 
 
 def run_findings_command(args) -> int:
     from labkit.lab.findings import write_findings
 
-    print(write_findings(args.out, args.claims, args.root, smoke=args.smoke))
+    print(write_findings(args.out, args.claims, args.root, smoke=args.smoke,
+                         figures=not args.no_figures))
     return 0
 
 

@@ -1,8 +1,10 @@
 """docs/findings.md is generated from finished runs: the page from a fixture of summaries,
 its verdicts recomputed from the stored intervals."""
 
+import importlib.util
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -156,3 +158,18 @@ def test_one_sweep_can_answer_several_claims_by_words_or_numbers(finished):
     (claims / "07_fixture.yaml").write_text(both)
     with pytest.raises(ValueError, match="not both"):
         findings.collect(claims, root)
+
+
+def test_figures_are_written_beside_the_page_or_said_missing(finished, monkeypatch, capsys):
+    claims, root, out = finished
+    if importlib.util.find_spec("kaleido") and Path("/usr/bin/chromium").exists():
+        findings.write_findings(out, claims, root, figures=True)
+        svg = out.parent / "findings" / "claim-7.svg"
+        text = svg.read_text()
+        assert text.startswith("<svg") and "wrong label: refuted" in text
+        assert "![claim 7](findings/claim-7.svg)" in out.read_text()
+        assert not (out.parent / "findings" / "claim-1.svg").exists()  # claim 1 has no runs
+    monkeypatch.setitem(sys.modules, "kaleido", None)  # as if it were not installed
+    findings.write_findings(out, claims, root, figures=True)
+    assert "## Figures" not in out.read_text()
+    assert "pip install 'labkit[figures]'" in capsys.readouterr().err
