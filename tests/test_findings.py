@@ -52,6 +52,7 @@ def finished(tmp_path):
     summary = {"description": "fixture", **verdicts.findings_summary(found),
                "grpo/seed=0/wall_s": 1800.0, "ppo/seed=0/wall_s": 1800.0}
     (run / "summary.json").write_text(json.dumps(summary))
+    (run / "notebook.ipynb").write_text(json.dumps({"metadata": {"papermill": {"duration": 5400}}}))
     (run / "grpo-seed0" / "config.json").write_text(json.dumps(
         {"config": {}, "machine": {"cpu_capability": "AVX2", "threads": 1}}))
     return claims, root, tmp_path / "findings.md"
@@ -73,7 +74,8 @@ def test_page_from_finished_runs(finished):
     # claims in id order, and the commands to regenerate the page
     assert text.index("| 1. ") < text.index("| 7. ")
     assert "python -m labkit sweep experiments/claims/07_fixture.yaml" in text
-    assert "1.00 h of training runs' wall time" in text
+    assert "1.00 h of training runs' wall time, 90 min elapsed" in text
+    assert "The whole suite took 1.50 h of wall time (2 sweeps" in text
 
 
 def test_findings_command(finished, capsys):

@@ -36,6 +36,8 @@ class ClaimResult:
     runs_done: int = 0
     runs_total: int = 0
     compute_s: float = 0.0
+    elapsed_s: float = 0.0
+    """Wall time of the sweep's notebook runs (papermill's duration), the time a user waits."""
 
 
 def locate(path: str | Path) -> Path:
@@ -129,6 +131,7 @@ def collect(claims_dir: str | Path = CLAIMS_DIR, root: str | Path | None = None,
                 result.compute_s += sum(v for key, v in run.summary.items()
                                         if key.endswith("/wall_s")
                                         and isinstance(v, (int, float)))
+                result.elapsed_s += _duration(run.path)
             results.append(result)
     return sorted(results, key=lambda r: r.claim.get("id", 0))
 
@@ -146,6 +149,15 @@ def selected(summary: dict, wanted: list | None) -> list[int]:
         else:
             out += [k for k in numbers if str(item) in str(summary.get(f"finding{k}/question"))]
     return list(dict.fromkeys(out))
+
+
+def _duration(run_path: Path) -> float:
+    """Seconds papermill took to run the notebook of a sweep run (0 when unknown)."""
+    try:
+        record = json.loads((run_path / "notebook.ipynb").read_text(encoding="utf-8"))
+        return float(record["metadata"]["papermill"]["duration"] or 0.0)
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0.0
 
 
 def _cell(text) -> str:
@@ -241,6 +253,10 @@ def render(results: list[ClaimResult], commit: str | None, smoke: bool = False,
                 lines += [f"### Claim {r.claim.get('id')}", "",
                           f"![claim {r.claim.get('id')}]({figures_dir}/{name})", ""]
     lines += ["", "## Commands and compute", ""]
+    sweeps = {r.file.name: r.elapsed_s for r in results}  # a file that answers two claims ran once
+    lines += [f"The whole suite took {sum(sweeps.values()) / 3600:.2f} h of wall time "
+              f"({len(sweeps)} sweeps, one after another, each running its training runs in "
+              "parallel worker processes, on the machines named in the table).", ""]
     for r in results:
         hours = r.compute_s / 3600
         made = (f", made at commit{'s' * (len(r.commits) > 1)} {', '.join(sorted(r.commits))}"
@@ -248,7 +264,7 @@ def render(results: list[ClaimResult], commit: str | None, smoke: bool = False,
         lines.append(f"- claim {r.claim.get('id', '?')}: `python -m labkit sweep "
                      f"{CLAIMS_DIR.as_posix()}/{r.file.name}{flag}`; {r.runs_done} of "
                      f"{r.runs_total} runs finished{made}, {hours:.2f} h of training runs' "
-                     "wall time")
+                     f"wall time, {r.elapsed_s / 60:.0f} min elapsed")
     return "\n".join(lines) + "\n"
 
 
