@@ -175,3 +175,25 @@ def test_figures_are_written_beside_the_page_or_said_missing(finished, monkeypat
     findings.write_findings(out, claims, root, figures=True)
     assert "## Figures" not in out.read_text()
     assert "pip install 'labkit[figures]'" in capsys.readouterr().err
+
+
+@pytest.mark.notebook
+def test_a_factorial_claims_smoke_sweep_feeds_two_claims(tmp_path):
+    """Claims 4 and 8 share one sweep of notebook 05 (questions collapse and monitors): its
+    smoke variant runs, and the page gives each claim its own findings."""
+    from labkit.lab.sweeps import run_sweep
+
+    claims = tmp_path / "claims"
+    claims.mkdir()
+    text = (REPO / "experiments" / "claims" / "04_stability.yaml").read_text()
+    (claims / "04_stability.yaml").write_text(text.replace("../../notebooks/",
+                                                           str(REPO / "notebooks") + "/"))
+    root = tmp_path / "runs"
+    runs = run_sweep(load_sweep(claims / "04_stability.yaml", smoke=True), root, progress=False)
+    assert [r.status for r in runs] == ["ok"]
+    results = {r.claim["id"]: r for r in findings.collect(claims, root, smoke=True)}
+    four = [row["question"] for row in results[4].rows]
+    eight = [row["question"] for row in results[8].rows]
+    assert four and all("fewer runs collapse" in q or "gains more" in q for q in four)
+    assert eight and all("fires before" in q or "stays quiet" in q for q in eight)
+    assert any(q.startswith("eval/cgc>=0.15") for q in eight)
