@@ -250,7 +250,7 @@ def finding_intervals(rows: Sequence[dict], *, title: str | None = None) -> go.F
                          row=k, col=1)
         fig.update_yaxes(visible=False, row=k, col=1)
     fig.update_annotations(font_size=11)
-    fig.update_layout(title=title, height=110 + 125 * len(rows), width=900,
+    fig.update_layout(title=title, height=110 + 140 * len(rows), width=900,
                       margin=dict(l=30, r=30, t=90, b=30))
     return fig
 

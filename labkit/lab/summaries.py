@@ -143,11 +143,12 @@ def _arm_means(rows: Sequence[dict]) -> list[dict]:
     """One row per arm (a row's `arm`, else its `run`): the mean over its seeds of accuracy
     before and after, step time, state memory and zero-std fraction, and `seeds`, how
     many."""
-    arms: dict[str, list[dict]] = {}
-    for row in rows:
-        arms.setdefault(row.get("arm", row["run"]), []).append(row)
+    from labkit.lab.verdicts import by_arm
+
     out = []
-    for arm, members in arms.items():
+    arms = by_arm([{"arm": row["run"], "seed": 0} | row for row in rows])
+    for arm, seeds in arms.items():
+        members = list(seeds.values())
         mean = {k: statistics.fmean(r[k] for r in members)
                 for k in ("accuracy_before", "accuracy_after", "step_s", "state_mb",
                           "frac_zero_std") if all(k in r for r in members)}
