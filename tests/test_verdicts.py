@@ -5,7 +5,7 @@ import math
 import pytest
 
 from labkit import stats
-from labkit.lab import verdicts
+from labkit.lab import questions, verdicts
 
 
 def _row(arm, seed, gain, step_s, mem_mb, before=0.3, **extra):
@@ -123,7 +123,7 @@ def test_factor_findings_count_collapses_per_level_and_pair_gains_by_seed():
     collapsed = {"base": [1, 1, 1], "kl": [0, 0, 1], "clip": [1, 1, 0], "both": [0, 0, 0]}
     gains = {"base": [0.0, 0.1, 0.2], "kl": [0.1, 0.2, 0.3], "clip": [0.0, 0.1, 0.2],
              "both": [0.1, 0.2, 0.3]}
-    kl_rate, kl_gain, clip_rate, clip_gain = verdicts.factor_findings(
+    kl_rate, kl_gain, clip_rate, clip_gain = questions.factor_findings(
         _factorial_rows(collapsed, gains), FACTORIAL)
     # beta: 5 of 6 runs at beta=0 collapsed, 1 of 6 at beta=0.1
     assert kl_rate.question == "fewer runs collapse with beta=0.1 than with beta=0.0"
@@ -150,7 +150,7 @@ def test_monitor_findings_ask_whether_a_line_fires_before_the_collapse():
     rows = [{"run": "a", "collapsed": 1, "collapse_step": 8},   # warned (5 < 8)
             {"run": "b", "collapsed": 1, "collapse_step": 8},   # fired after: no warning
             {"run": "c", "collapsed": 0}, {"run": "d", "collapsed": 0}]  # d: a false alarm
-    warned, false = verdicts.monitor_findings(rows, histories, ["policy/entropy<1 for 5"])
+    warned, false = questions.monitor_findings(rows, histories, ["policy/entropy<1 for 5"])
     assert warned.question == "policy/entropy<1 for 5 fires before a collapse"
     assert warned.interval.mean == 0.5 and warned.interval.n == 2
     assert false.interval.mean == 0.5 and false.direction == "below"
@@ -167,24 +167,24 @@ def test_diagnostic_findings_take_the_critic_over_the_group_per_run():
         last = {"step": 50, **dict(zip(keys, (scale, 1.0, scale, 1.0, 0.05, 0.1)))}
         histories[f"ppo/seed={seed}"] = [first, {"step": 1}, last]
         rows.append({"run": f"ppo/seed={seed}", "arm": "ppo", "seed": seed, "algo": "ppo"})
-    start, end, trained, mse = verdicts.diagnostic_findings(rows, histories)
+    start, end, trained, mse = questions.diagnostic_findings(rows, histories)
     assert start.question.startswith("at step 0") and start.interval.mean == pytest.approx(8.0)
     assert end.question.startswith("at step 50")
     assert end.interval.mean == pytest.approx(24 ** (1 / 3))  # geometric mean of 2, 3, 4
     assert trained.threshold == pytest.approx(1 / 0.37)
     assert mse.interval.mean == pytest.approx(0.5) and mse.verdict == stats.REFUTED
-    assert verdicts.diagnostic_findings(rows[:1], histories) == []  # one run: no interval
+    assert questions.diagnostic_findings(rows[:1], histories) == []  # one run: no interval
 
 
 def test_answer_asks_the_chosen_questions_and_refuses_others():
     rows = [_row(arm, s, 0.1 * s, 0.1, 1.0, length_final=10.0 + s + (arm == "b"), collapsed=0)
             for arm in ("a", "b") for s in range(3)]
-    found = verdicts.answer(["gain", "length"], rows, {}, {"a": {}, "b": {}})
+    found = questions.answer(["gain", "length"], rows, {}, {"a": {}, "b": {}})
     assert [f.question for f in found] == ["b gains more held-out accuracy than a",
                                            "b ends with longer completions than a"]
     assert found[1].interval.mean == pytest.approx(1.0)
     with pytest.raises(ValueError, match="questions"):
-        verdicts.answer(["speed"], rows, {}, {})
+        questions.answer(["speed"], rows, {}, {})
 
 
 def test_informative_findings_compare_the_first_steps_with_each_prediction():
@@ -198,7 +198,7 @@ def test_informative_findings_compare_the_first_steps_with_each_prediction():
             rows.append({"run": name, "group_size": g, "seed": seed})
     prediction = {2: {"per_prompt": 0.25, "at_mean": 0.40}, 8: {"per_prompt": 0.6,
                                                                 "at_mean": 0.9}}
-    mean2, own2, mean8, own8 = verdicts.informative_findings(rows, histories, prediction)
+    mean2, own2, mean8, own8 = questions.informative_findings(rows, histories, prediction)
     assert mean2.question == "at G=2, the formula at the mean p overstates the share of " \
                              "informative groups"
     assert mean2.interval.mean == pytest.approx(15.0) and mean2.verdict == stats.SUPPORTED

@@ -8,7 +8,8 @@ in the notebook's run directory. Each training run writes its own folder inside 
 
 The wing's modules: `experiments` (run directories and training runs, in parallel worker
 processes), `blocks` (notebook 00's single-group helpers), `summaries` (rows, sentences,
-outputs), `verdicts` (intervals over seeds and verdicts), `widgets` (notebook 03's
+outputs), `verdicts` (intervals over seeds and verdicts), `questions` (notebook 05's
+collapse, monitor and diagnostics questions), `widgets` (notebook 03's
 controls), `plots` (figures), `live` (notebook 03's live figure), `runner` and `sweeps`
 (papermill runs of notebooks).
 """
@@ -22,10 +23,10 @@ from labkit.lab.experiments import (BUDGETS, DEFAULT_ARMS, NOTEBOOK_DEFAULTS,
 from labkit.lab.summaries import (describe, describe_diagnostics, describe_sweep,
                                   final_diagnostics, flat_summary, live_outputs, state_mb,
                                   summary_rows, sweep_rows, write_outputs)
-from labkit.lab.verdicts import (MONITORS, QUESTIONS, Finding, answer, arm_findings, arm_rows,
-                                 describe_findings, diagnostic_findings, factor_findings,
-                                 findings_summary, group_size_findings, grpo_vs_ppo,
-                                 informative_findings, monitor_findings)
+from labkit.lab.questions import (MONITORS, QUESTIONS, answer, diagnostic_findings,
+                                  factor_findings, informative_findings, monitor_findings)
+from labkit.lab.verdicts import (Finding, arm_findings, arm_rows, describe_findings,
+                                 findings_summary, group_size_findings, grpo_vs_ppo)
 from labkit.lab.widgets import live_controls
 
 __all__ = ["BUDGETS", "DEFAULT_ARMS", "MONITORS", "NOTEBOOK_DEFAULTS", "QUESTIONS", "Finding",

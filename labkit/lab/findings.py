@@ -201,10 +201,14 @@ def write_figures(results: list[ClaimResult], folder: str | Path) -> dict[str, s
     export."""
     from labkit.lab import plots
 
+    import importlib.util
+
     try:
-        import kaleido  # noqa: F401 - only asks whether the exporter is installed
-    except ImportError:
-        raise RuntimeError("static figures need kaleido: pip install 'labkit[figures]'") from None
+        found = importlib.util.find_spec("kaleido") is not None
+    except ValueError:  # a module set to None in sys.modules: as if not installed
+        found = False
+    if not found:
+        raise RuntimeError("static figures need kaleido: pip install 'labkit[figures]'")
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     written = {}

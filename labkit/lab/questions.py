@@ -1,0 +1,222 @@
+"""Notebook 05's further questions of its runs, besides each arm's gain and length
+(`labkit.lab.verdicts.arm_findings`): collapses per factor of a factorial design of arms,
+whether the articles' monitoring lines warn of a collapse, which baseline gives the cleaner
+gradient (from estimator diagnostics), and notebook 02's check of the independence
+prediction. `answer` asks the ones a notebook's `questions` parameter names.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping, Sequence
+
+from labkit import stats
+from labkit.lab.verdicts import Finding, arm_findings, by_arm, finding
+
+
+def factor_findings(rows: Sequence[dict], arms: Mapping[str, Mapping]) -> list[Finding]:
+    """The main effect of each factor of a factorial design of arms (`arms`: name -> its
+    TrainConfig fields, as `labkit.lab.parse_arms` gives). A factor is a field that every arm
+    sets to one of two values (fields that always change together, such as eps_low with
+    eps_high, are one factor); its first level is the baseline's (the first arm's). For each
+    factor: do fewer runs collapse at its other level (the collapse rate at the first level
+    minus that at the other, over every run, Newcombe's interval), and does the other level
+    gain more held-out accuracy (paired t over the pairs of runs on the same seed whose arms
+    differ in this factor alone)."""
+    names = list(arms)
+    factors: dict[tuple, list[str]] = {}
+    for field_name in (arms[names[0]] if names else {}):
+        values = [arms[n].get(field_name, _MISSING) for n in names]
+        if _MISSING in values or len(set(map(repr, values))) != 2:
+            continue
+        factors.setdefault(tuple(v == values[0] for v in values), []).append(field_name)
+    found = []
+    for levels, fields in factors.items():
+        at_first = dict(zip(names, levels))
+        first = ", ".join(f"{f}={arms[names[0]][f]}" for f in fields)
+        other_arm = names[levels.index(False)]
+        other = ", ".join(f"{f}={arms[other_arm][f]}" for f in fields)
+        runs = {side: [r for r in rows if at_first.get(r["arm"]) is side] for side in (True, False)}
+        k1, n1 = sum(r["collapsed"] for r in runs[True]), len(runs[True])
+        k2, n2 = sum(r["collapsed"] for r in runs[False]), len(runs[False])
+        if n1 and n2:
+            found.append(finding(f"fewer runs collapse with {other} than with {first}",
+                                 f"collapse rate({first}) - rate({other})",
+                                 stats.proportion_difference(k1, n1, k2, n2), above=0.0))
+        ours, theirs = _factor_pairs(rows, arms, fields, at_first)
+        if ours:
+            found.append(finding(
+                f"{other} gains more held-out accuracy than {first}",
+                f"gain({other}) - gain({first}), points, over pairs of runs differing in it alone",
+                stats.paired_interval([100 * g for g in ours], [100 * g for g in theirs],
+                                      unit="paired runs"), above=0.0, digits=1))
+    return found
+
+
+_MISSING = object()
+
+
+def _factor_pairs(rows: Sequence[dict], arms: Mapping[str, Mapping], fields: Sequence[str],
+                  at_first: Mapping[str, bool]) -> tuple[list[float], list[float]]:
+    """The gains of (other level, first level) over the pairs of runs on one seed whose arms
+    differ in `fields` alone."""
+    grouped = by_arm(rows)
+
+    def rest(name: str) -> dict:
+        return {k: v for k, v in arms[name].items() if k not in fields}
+
+    ours, theirs = [], []
+    for a in arms:
+        for b in arms:
+            if at_first[a] or not at_first[b] or rest(a) != rest(b):
+                continue
+            for seed in sorted(set(grouped.get(a, {})) & set(grouped.get(b, {}))):
+                ours.append(grouped[a][seed]["gain"])
+                theirs.append(grouped[b][seed]["gain"])
+    return ours, theirs
+
+
+MONITORS = ("adv/gav>0.4 for 5", "clip/total>0.2 for 5", "policy/entropy<1 for 5",
+            "eval/cgc>=0.15")
+"""The source articles' danger lines for the monitoring metrics (docs/metrics.md), as stop
+rules (`labkit.stops`): GAV above 0.4, a clip ratio above 20%, entropy below 1 nat (each on 5
+consecutive steps, so one noisy step does not count), CGC at or above 0.15 at an
+evaluation."""
+
+
+def monitor_findings(rows: Sequence[dict], histories: Mapping[str, Sequence[dict]],
+                     monitors: Sequence[str] = MONITORS) -> list[Finding]:
+    """Do the monitoring lines warn of a collapse? For each rule of `monitors` over the runs
+    of `rows` (each with `collapsed` and `collapse_step`, `histories` by run name): the share
+    of collapsing runs where it fired before the collapse step (the claim: most, above 0.5),
+    and the share of the other runs where it fired at all (false alarms: the claim needs
+    few, below 0.5); Clopper-Pearson intervals. A share over no runs is left out."""
+    from labkit import stops
+
+    found = []
+    for text in monitors:
+        (rule,) = stops.parse(text)
+        warned = [_fires(rule, histories[r["run"]], before=r.get("collapse_step"))
+                  for r in rows if r["collapsed"]]
+        false = [_fires(rule, histories[r["run"]]) for r in rows if not r["collapsed"]]
+        if warned:
+            found.append(finding(f"{rule} fires before a collapse",
+                                 "share of collapsing runs where it fired first",
+                                 stats.proportion_interval(sum(warned), len(warned)),
+                                 above=0.5))
+        if false:
+            found.append(finding(f"{rule} stays quiet on runs that do not collapse",
+                                 "share of the other runs where it fired (false alarms)",
+                                 stats.proportion_interval(sum(false), len(false)),
+                                 below=0.5))
+    return found
+
+
+def _fires(rule, history: Sequence[dict], before: int | None = None) -> bool:
+    """Whether `rule` fires on `history` (at a step before `before`, when given)."""
+    from labkit import stops
+
+    watch = stops.StopRules([rule])
+    for record in history:
+        if before is not None and record.get("step", 0) >= before:
+            return False
+        if watch.update(record) is not None:
+            return True
+    return False
+
+
+def diagnostic_findings(rows: Sequence[dict],
+                        histories: Mapping[str, Sequence[dict]]) -> list[Finding]:
+    """Which baseline gives the cleaner gradient, from the PPO runs that measured estimator
+    diagnostics (`diag_every`; labkit.diagnostics: every estimator on the same samples of
+    the run's policy): per run the ratio of the critic's figure to the group mean's, at the
+    first and at the last measurement, over runs (geometric mean, t interval of log ratios).
+    Raw gradients (no std scaling, no whitening) compare the baselines themselves; the
+    trained ones the advantages each algorithm trains with (PPO: GAE, whitened; GRPO: the
+    group's z-score), against the article's "63% lower variance" (a ratio of 1/0.37)."""
+    keys = {"raw": ("diag/grad_rel_var_raw/ppo_critic", "diag/grad_rel_var_raw/grpo"),
+            "trained": ("diag/grad_rel_var/ppo_gae", "diag/grad_rel_var/grpo"),
+            "mse": ("diag/baseline_mse/ppo_critic", "diag/baseline_mse/grpo")}
+    measured = {}
+    for row in rows:
+        records = [r for r in histories[row["run"]] if all(k in r for pair in keys.values()
+                                                           for k in pair)]
+        if row.get("algo") == "ppo" and len(records) >= 2:
+            measured[row["run"]] = (records[0], records[-1])
+    if len(measured) < 2:
+        return []
+    first = min(a["step"] for a, _ in measured.values())
+    last = min(b["step"] for _, b in measured.values())
+
+    def ratio(key: str, at: int) -> stats.Interval:
+        a, b = keys[key]
+        pairs = [(rec[a], rec[b]) for both in measured.values() for rec in both[at:at + 1]]
+        return stats.ratio_interval([x for x, _ in pairs], [y for _, y in pairs], unit="runs")
+
+    relvar = "gradient relative variance"
+    return [
+        finding(f"at step {first} the group mean is a cleaner baseline than the critic",
+                f"{relvar}, raw, critic / group mean", ratio("raw", 0), above=1.0),
+        finding(f"at step {last} the group mean is a cleaner baseline than the critic",
+                f"{relvar}, raw, critic / group mean", ratio("raw", 1), above=1.0),
+        finding(f"at step {last} GRPO's advantages give a gradient with 63% less variance "
+                "than PPO's", f"{relvar}, as trained, PPO (GAE) / GRPO", ratio("trained", 1),
+                above=1 / 0.37),
+        finding(f"at step {last} the group mean is nearer the true value than the critic",
+                "baseline MSE against V*, critic / group mean", ratio("mse", 1), above=1.0),
+    ]
+
+
+def informative_findings(rows: Sequence[dict], histories: Mapping[str, Sequence[dict]],
+                         prediction: Mapping[int, Mapping], first_steps: int = 3) -> list[Finding]:
+    """Notebook 02's check of the independence prediction (`prediction`, from
+    `labkit.lab.informative_prediction` at the untrained policy): per G, the share of
+    informative groups seen in each run's first `first_steps` steps (1 - frac_zero_std, the
+    policy still close to its start) against the prediction from each prompt's own p and
+    against the formula at the mean p, in points, t-interval over seeds. The articles'
+    formula at the mean p is claimed here to overstate the share (above 0); the per-prompt
+    prediction is the one that should hold (an interval around 0)."""
+    observed: dict[int, list[float]] = {}
+    for row in rows:
+        seen = [1 - r["rollout/frac_zero_std"] for r in histories[row["run"]]
+                if 1 <= r.get("step", 0) <= first_steps and "rollout/frac_zero_std" in r]
+        if seen and row["group_size"] in prediction:
+            observed.setdefault(row["group_size"], []).append(statistics.fmean(seen))
+    found = []
+    for g, shares in sorted(observed.items()):
+        for key, words in (("at_mean", "the formula at the mean p"),
+                           ("per_prompt", "the prediction from each prompt's own p")):
+            predicted = prediction[g][key]
+            found.append(finding(
+                f"at G={g}, {words} overstates the share of informative groups",
+                f"predicted - seen in steps 1-{first_steps}, points (predicted "
+                f"{100 * predicted:.1f})",
+                stats.mean_interval([100 * (predicted - x) for x in shares]), above=0.0,
+                digits=1))
+    return found
+
+
+QUESTIONS = ("gain", "length", "collapse", "monitors", "diagnostics")
+"""What notebook 05 asks of its runs (its `questions` parameter)."""
+
+
+def answer(questions: Sequence[str], rows: Sequence[dict],
+           histories: Mapping[str, Sequence[dict]], arms: Mapping[str, Mapping],
+           baseline: str | None = None) -> list[Finding]:
+    """Notebook 05's findings for `questions` (QUESTIONS), in that order: gain and length
+    against the baseline (`arm_findings`), collapse (`factor_findings`), monitors
+    (`monitor_findings`), diagnostics (`diagnostic_findings`)."""
+    unknown = [q for q in questions if q not in QUESTIONS]
+    if unknown:
+        raise ValueError(f"questions: {unknown} unknown; choose from {QUESTIONS}")
+    found = []
+    for q in questions:
+        if q in ("gain", "length"):
+            found += arm_findings(rows, baseline, "gain" if q == "gain" else "length_final")
+        elif q == "collapse":
+            found += factor_findings(rows, arms)
+        elif q == "monitors":
+            found += monitor_findings(rows, histories)
+        else:
+            found += diagnostic_findings(rows, histories)
+    return found
