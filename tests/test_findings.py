@@ -149,13 +149,14 @@ def test_one_sweep_can_answer_several_claims_by_words_or_numbers(finished):
   findings: [1, 2, 3]
 """, """claims:
   - {id: 7, statement: "first", source: "an article", findings: ["wide", "wrong"]}
-  - {id: 8, statement: "second", source: "another", findings: [2]}
+  - {id: 8, statement: "second", source: "another", findings: [2], note: "read  it so"}
 """)
     (claims / "07_fixture.yaml").write_text(text)
     results = {r.claim["id"]: r for r in findings.collect(claims, root)}
     assert [row["question"] for row in results[7].rows] == ["wide", "wrong label"]
     assert [row["question"] for row in results[8].rows] == ["clear"]
     assert results[8].runs_done == 1
+    assert "- claim 8: read it so" in findings.write_findings(out, claims, root).read_text()
     both = text.replace("claims:", "claim: {id: 9}\nclaims:")
     (claims / "07_fixture.yaml").write_text(both)
     with pytest.raises(ValueError, match="not both"):

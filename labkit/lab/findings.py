@@ -246,6 +246,11 @@ def render(results: list[ClaimResult], commit: str | None, smoke: bool = False,
         cells = [_cell(row[c]) for c in columns]
         cells[-1] = f"**{cells[-1]}**" if cells[-1] else ""
         lines.append("| " + " | ".join(cells) + " |")
+    notes = [r for r in results if r.claim.get("note")]
+    if notes:
+        lines += ["", "## How to read them", ""]
+        lines += [f"- claim {r.claim.get('id', '?')}: {' '.join(str(r.claim['note']).split())}"
+                  for r in notes]
     if figures:
         lines += ["", "## Figures", "",
                   "Each finding's effect with its 95% interval (green supported, red refuted, "

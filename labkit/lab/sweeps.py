@@ -17,6 +17,7 @@ The YAML (its schema is repeated at the top of each file in experiments/):
       source: the article's title
       findings: [2, 3]           #   which of the notebook's findings answer it (default: all):
                                  #   numbers, or words that a finding's question contains
+      note: how to read it       #   optional, printed under the page's table
     claims: [{id: 4, ...}, ...]  # instead of claim: several claims answered by the same runs
 
 Every value is checked against the notebook's parameters cell before any run starts.
@@ -46,7 +47,7 @@ from labkit.lab.runner import (PARAMETERS_FILE, RUNNER_OWNED, RunFailed, check_c
 
 KEYS = ("notebook", "name", "parameters", "grid", "seeds", "smoke", "claim", "claims")
 SMOKE_KEYS = ("parameters", "grid", "seeds")
-CLAIM_KEYS = ("id", "statement", "source", "findings")
+CLAIM_KEYS = ("id", "statement", "source", "findings", "note")
 CSV_NAME = "sweep.csv"
 PLOT_NAME = "comparison.html"
 INCOMPLETE = ".incomplete"
