@@ -167,11 +167,11 @@ def test_figures_are_written_beside_the_page_or_said_missing(finished, monkeypat
     claims, root, out = finished
     if importlib.util.find_spec("kaleido") and Path("/usr/bin/chromium").exists():
         findings.write_findings(out, claims, root, figures=True)
-        svg = out.parent / "findings" / "claim-7.svg"
+        svg = out.parent / "findings" / "07_fixture-claim-7.svg"
         text = svg.read_text()
         assert text.startswith("<svg") and "wrong label: refuted" in text
-        assert "![claim 7](findings/claim-7.svg)" in out.read_text()
-        assert not (out.parent / "findings" / "claim-1.svg").exists()  # claim 1 has no runs
+        assert "![claim 7 (07_fixture.yaml)](findings/07_fixture-claim-7.svg)" in out.read_text()
+        assert not (out.parent / "findings" / "01_cost-claim-1.svg").exists()  # no runs
     monkeypatch.setitem(sys.modules, "kaleido", None)  # as if it were not installed
     findings.write_findings(out, claims, root, figures=True)
     assert "## Figures" not in out.read_text()

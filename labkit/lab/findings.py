@@ -189,19 +189,20 @@ def table_rows(results: list[ClaimResult]) -> list[dict]:
     return out
 
 
-def figure_name(claim: dict) -> str:
-    """The file name of a claim's figure beside the page's folder: claim-<id>.svg."""
-    return f"claim-{claim.get('id', 'x')}.svg"
+def figure_name(result: ClaimResult) -> str:
+    """The file name of a claim's figure: <claim file>-claim-<id>.svg (two files may answer
+    parts of one claim, one file several claims)."""
+    return f"{result.file.stem}-claim-{result.claim.get('id', 'x')}.svg"
 
 
 def write_figures(results: list[ClaimResult], folder: str | Path) -> dict[str, str]:
     """One static SVG per claim that has findings (`labkit.lab.plots.finding_intervals`,
     exported by kaleido through a local Chrome or Chromium) into `folder`; returns
-    {claim id: file name}. Raises RuntimeError, naming what is missing, when it cannot
-    export."""
-    from labkit.lab import plots
-
+    {figure_name: the claim's title}. Raises RuntimeError, naming what is missing, when it
+    cannot export."""
     import importlib.util
+
+    from labkit.lab import plots
 
     try:
         found = importlib.util.find_spec("kaleido") is not None
@@ -215,20 +216,21 @@ def write_figures(results: list[ClaimResult], folder: str | Path) -> dict[str, s
     for r in results:
         if not r.rows:
             continue
-        name = figure_name(r.claim)
-        fig = plots.finding_intervals(r.rows, title=f"claim {r.claim.get('id', '?')}")
+        name = figure_name(r)
+        fig = plots.finding_intervals(r.rows, title=f"claim {r.claim.get('id', '?')} "
+                                                    f"({r.file.name})")
         try:
             fig.write_image(folder / name, format="svg")
         except Exception as e:  # noqa: BLE001 - kaleido's errors name the missing browser
             raise RuntimeError(f"kaleido could not export {name}: {e}") from e
-        written[str(r.claim.get("id"))] = name
+        written[name] = f"claim {r.claim.get('id', '?')} ({r.file.name})"
     return written
 
 
 def render(results: list[ClaimResult], commit: str | None, smoke: bool = False,
            figures: dict[str, str] | None = None, figures_dir: str = "findings") -> str:
-    """The findings page as markdown; `figures` ({claim id: file name} under `figures_dir`,
-    relative to the page) adds a figure per claim."""
+    """The findings page as markdown; `figures` ({file name: title} of `write_figures`,
+    under `figures_dir`, relative to the page) adds a figure per claim."""
     flag = " --smoke" if smoke else ""
     lines = ["# Findings", "",
              "The source articles' claims, each run as an experiment over paired seeds, with a "
@@ -256,11 +258,9 @@ def render(results: list[ClaimResult], commit: str | None, smoke: bool = False,
                   "Each finding's effect with its 95% interval (green supported, red refuted, "
                   "grey inconclusive) and the threshold the claim needs it to clear (the dark "
                   "tick).", ""]
-        for r in results:
-            name = figures.get(str(r.claim.get("id")))
-            if name:
-                lines += [f"### Claim {r.claim.get('id')}", "",
-                          f"![claim {r.claim.get('id')}]({figures_dir}/{name})", ""]
+        for name, title in figures.items():
+            lines += [f"### {title[0].upper()}{title[1:]}", "",
+                      f"![{title}]({figures_dir}/{name})", ""]
     lines += ["", "## Commands and compute", ""]
     sweeps = {r.file.name: r.elapsed_s for r in results}  # a file that answers two claims ran once
     lines += [f"The whole suite took {sum(sweeps.values()) / 3600:.2f} h of wall time "
