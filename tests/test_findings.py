@@ -115,30 +115,6 @@ def test_a_notebook_with_its_own_seeds_takes_one_sweep_seed(tmp_path):
         load_sweep(path)
 
 
-@pytest.mark.notebook
-def test_a_claims_smoke_sweep_feeds_the_page(tmp_path):
-    """CI's smoke variant of claim 1: the sweep runs notebook 01 (3 seeds, 3 steps), and the
-    page reads its findings back with the machine they ran on."""
-    import torch
-
-    from labkit.lab.sweeps import run_sweep
-
-    claims = tmp_path / "claims"
-    claims.mkdir()
-    text = (REPO / "experiments" / "claims" / "01_cost.yaml").read_text()
-    (claims / "01_cost.yaml").write_text(text.replace("../../notebooks/",
-                                                      str(REPO / "notebooks") + "/"))
-    root = tmp_path / "runs"
-    runs = run_sweep(load_sweep(claims / "01_cost.yaml", smoke=True), root, progress=False)
-    assert [r.status for r in runs] == ["ok"]
-    page = findings.write_findings(tmp_path / "findings.md", claims, root, smoke=True)
-    rows = [line for line in page.read_text().splitlines() if line.startswith("| 1.")]
-    assert len(rows) == 2  # findings 2 and 3: step time and memory
-    assert all(any(f"**{v}**" in row for v in stats.VERDICTS) for row in rows)
-    assert all(f"{torch.backends.cpu.get_cpu_capability()}, 1 thread" in row for row in rows)
-    assert "3 seeds" in rows[0] and "step time" in rows[0] and "memory" in rows[1]
-
-
 def test_one_sweep_can_answer_several_claims_by_words_or_numbers(finished):
     claims, root, out = finished
     text = (claims / "07_fixture.yaml").read_text().replace(
@@ -180,8 +156,11 @@ def test_figures_are_written_beside_the_page_or_said_missing(finished, monkeypat
 
 @pytest.mark.notebook
 def test_a_factorial_claims_smoke_sweep_feeds_two_claims(tmp_path):
-    """Claims 4 and 8 share one sweep of notebook 05 (questions collapse and monitors): its
-    smoke variant runs, and the page gives each claim its own findings."""
+    """CI's smoke variant of a claim sweep: claims 4 and 8 share one sweep of notebook 05
+    (questions collapse and monitors); it runs, and the page gives each claim its own
+    findings, with the machine they ran on."""
+    import torch
+
     from labkit.lab.sweeps import run_sweep
 
     claims = tmp_path / "claims"
@@ -198,3 +177,8 @@ def test_a_factorial_claims_smoke_sweep_feeds_two_claims(tmp_path):
     assert four and all("fewer runs collapse" in q or "gains more" in q for q in four)
     assert eight and all("fires before" in q or "stays quiet" in q for q in eight)
     assert any(q.startswith("eval/cgc>=0.15") for q in eight)
+    page = findings.write_findings(tmp_path / "findings.md", claims, root, smoke=True)
+    rows = [line for line in page.read_text().splitlines() if line.startswith(("| 4.", "| 8."))]
+    assert len(rows) == len(four) + len(eight)
+    assert all(any(f"**{v}**" in row for v in stats.VERDICTS) for row in rows)
+    assert all(f"{torch.backends.cpu.get_cpu_capability()}, 1 thread" in row for row in rows)
