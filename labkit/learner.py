@@ -51,6 +51,31 @@ def resolve_precision(precision: str, device: torch.device) -> str:
     return "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
 
 
+def cpu_bf16_native() -> bool:
+    """Whether this CPU computes bf16 products in hardware (x86 AVX512_BF16 or AMX-BF16, Arm
+    BF16), read from /proc/cpuinfo on Linux and sysctl on macOS; elsewhere False. Without
+    it torch emulates bf16 on the CPU, slower than fp32."""
+    import platform
+    import subprocess
+    from pathlib import Path
+
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        flags = set()
+        for line in cpuinfo.read_text(errors="replace").splitlines():
+            if line.lower().startswith(("flags", "features")):
+                flags |= set(line.partition(":")[2].split())
+        return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+    if platform.system() == "Darwin":
+        try:
+            found = subprocess.run(["sysctl", "-n", "hw.optional.arm.FEAT_BF16"],
+                                   capture_output=True, text=True, timeout=5).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return False
+        return found == "1"
+    return False
+
+
 def machine(config: TrainConfig) -> dict:
     """What a run's numbers depend on beyond its config, for config.json: the device, the
     CPU's kernel capability (AVX2 and AVX-512 kernels round differently), torch's CPU threads
@@ -59,7 +84,7 @@ def machine(config: TrainConfig) -> dict:
 
     device = resolve_device(config.device)
     return {"device": str(device), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "threads": torch.get_num_threads(),
+            "cpu_bf16_native": cpu_bf16_native(), "threads": torch.get_num_threads(),
             "precision": resolve_precision(config.precision, device)}
 
 

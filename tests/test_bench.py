@@ -72,7 +72,11 @@ def test_the_command_runs_end_to_end_and_ends_with_its_json_line():
         summary["labkit_step_s_small"] / summary["trl_step_s_small"])
     assert summary["rollout_identical"] is True  # greedy: the same tokens as model.generate
     assert summary["memory_same_completions"] is True and summary["memory_lr"] == workers.MEMORY_LR
-    assert summary["precision"] == "bf16" and summary["gradient_checkpointing"] is False
+    # auto: the test model is far below 4 M parameters, so fp32 whatever the CPU
+    assert summary["precision"] == summary["precision_tiny"] == "fp32"
+    assert summary["gradient_checkpointing"] is False
+    assert summary["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert isinstance(summary["cpu_bf16_native"], bool)
     assert summary["rounds"] == 2  # labkit and TRL took turns twice, their steps pooled
     assert {p["axis"] for p in summary["scaling"]} == {"group_size", "max_new_tokens", "plain"}
     # the prompt-wide passes (prefill, reference and update prompt passes) were timed
@@ -198,7 +202,8 @@ def test_the_memory_target_needs_the_same_completions_on_both_sides(ppo_completi
     results["memory_ppo"] = {"peak_growth_mb": 1000.0, "completions": ppo_completions,
                              "tokens": [10, 12], "lr": workers.MEMORY_LR}
     args = SimpleNamespace(steps=1, warmup=0, rounds=1, beta=0.04)
-    summary = report.summarize(results, params=1, device="cpu", precision="bf16", args=args)
+    summary = report.summarize(results, params=1, device="cpu",
+                               precision={"tiny": "fp32", "small": "bf16"}, args=args)
     assert summary["grpo_ppo_memory_ratio"] == 0.5
     assert summary["memory_same_completions"] is met
     assert summary["targets_met"]["grpo_ppo_memory_ratio"] is met
@@ -230,3 +235,50 @@ def test_a_steps_problems_are_its_prompts_with_their_answers():
     assert [p.prompt for p in problems] == [work.prompts[i] for i in work.step_prompts(3)]
     assert [p.answer for p in problems] == [work.answers[i] for i in work.step_prompts(3)]
     assert len(work.step_problems(3, batch_prompts=5)) == 5
+
+
+@pytest.mark.parametrize("native, params, expected", [
+    (True, 26_000_000, "bf16"), (True, 439_552, "fp32"), (False, 26_000_000, "fp32")])
+def test_auto_precision_takes_bf16_only_where_the_cpu_has_it_and_the_model_gains(
+        monkeypatch, native, params, expected):
+    from labkit import learner
+
+    monkeypatch.setattr(learner, "cpu_bf16_native", lambda: native)
+    assert inputs.bench_precision("auto", "cpu", params) == expected
+    for forced in ("bf16", "fp32"):  # an explicit choice is kept
+        assert inputs.bench_precision(forced, "cpu", params) == forced
+
+
+def test_cpu_bf16_native_reads_the_cpu_flags(monkeypatch, tmp_path):
+    from pathlib import Path
+
+    from labkit import learner
+
+    real = Path.is_file
+    for flags, expected in (("fpu avx512f avx512bw", False),
+                            ("fpu avx512f avx512_bf16", True), ("fpu amx_tile amx_bf16", True)):
+        fake = tmp_path / "cpuinfo"
+        fake.write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
+        monkeypatch.setattr(Path, "is_file",
+                            lambda self, f=fake: True if str(self) == "/proc/cpuinfo" else real(self))
+        monkeypatch.setattr(Path, "read_text", lambda self, *a, f=fake, **k: f.open().read())
+        assert learner.cpu_bf16_native() is expected
+        monkeypatch.undo()
+
+
+def test_bf16_on_a_cpu_without_it_is_said_before_the_bench_starts(monkeypatch, capsys):
+    import argparse
+
+    from labkit import bench, learner
+
+    monkeypatch.setattr(learner, "cpu_bf16_native", lambda: False)
+    stop = RuntimeError("stopped before any model was built")
+
+    def refuse(*a, **k):
+        raise stop
+    monkeypatch.setattr(bench, "build_small_model", refuse)
+    args = argparse.Namespace(steps=1, warmup=0, rounds=1, beta=0.04, device="cpu",
+                              precision="bf16", scale="test", quiet=True, scaling=False)
+    with pytest.raises(RuntimeError, match="stopped"):
+        bench.run(args)
+    assert "torch emulates it, slower than fp32" in capsys.readouterr().err

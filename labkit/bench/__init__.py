@@ -37,8 +37,8 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
-from labkit.bench.inputs import (SMALL, TEST_SMALL, Work, build_small_model, long_prompts,
-                                 tiny_prompts)
+from labkit.bench.inputs import (SMALL, TEST_SMALL, Work, bench_precision, build_small_model,
+                                 long_prompts, tiny_prompts)
 from labkit.bench.report import summarize, table
 from labkit.bench.workers import run_worker
 
@@ -73,12 +73,18 @@ def run(args) -> dict:
     check_args(args)
     import torch
 
+    from labkit.learner import cpu_bf16_native
+
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    precision = args.precision
     shape = TEST_SMALL if args.scale == "test" else SMALL
     say = (lambda *a: None) if args.quiet else (lambda *a: print(*a, file=sys.stderr, flush=True))
-    common = dict(beta=args.beta, precision=precision, device=device,
-                  gradient_checkpointing=False, steps=args.steps, warmup=args.warmup)
+    capability = torch.backends.cpu.get_cpu_capability()
+    if args.precision == "bf16" and device == "cpu" and not cpu_bf16_native():
+        print(f"warning: --precision bf16 on a CPU without native bf16 (capability "
+              f"{capability}, no AVX512_BF16 or AMX): torch emulates it, slower than fp32; "
+              "--precision auto picks fp32 here", file=sys.stderr, flush=True)
+    common = dict(beta=args.beta, device=device, gradient_checkpointing=False,
+                  steps=args.steps, warmup=args.warmup)
     results: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
         small_path = Path(tmp) / "small-llama"
@@ -87,10 +93,14 @@ def run(args) -> dict:
 
         prompts, answers = tiny_prompts(64)
         tiny = Work(str(EMBEDDED_PATH), tuple(prompts), tuple(answers), max_new_tokens=16,
+                    precision=bench_precision(args.precision, device, _card_params()),
                     **common)
         long = long_prompts(16, 128)
         small = Work(str(small_path), tuple(long), tuple("0" for _ in long), max_new_tokens=64,
-                     **common)
+                     precision=bench_precision(args.precision, device, params), **common)
+        precision = {"tiny": tiny.precision, "small": small.precision}
+        say(f"[bench] CPU capability {capability}, native bf16 {cpu_bf16_native()}; precision "
+            f"tiny {tiny.precision}, small {small.precision}")
         for label, work in (("tiny", tiny), ("small", small)):
             # labkit and TRL take turns, `rounds` times, and each side's steps are pooled:
             # a slow spell of the shared machine then falls on both sides, not on one
@@ -120,6 +130,13 @@ def run(args) -> dict:
     return summarize(results, params=params, device=device, precision=precision, args=args)
 
 
+def _card_params() -> int:
+    """The embedded model's parameter count, from its model card."""
+    from labkit.models import EMBEDDED_PATH
+
+    return int(json.loads((EMBEDDED_PATH / "card.json").read_text())["parameters"])
+
+
 def add_parser(sub) -> None:
     cmd = sub.add_parser("bench", help="time labkit's GRPO step, rollout and memory against "
                                        "TRL, model.generate and PPO")
@@ -128,8 +145,11 @@ def add_parser(sub) -> None:
     cmd.add_argument("--rounds", type=int, default=2,
                      help="times labkit and TRL take turns at each step comparison (their "
                           "timed steps pooled)")
-    cmd.add_argument("--precision", choices=["bf16", "fp32"], default="bf16",
-                     help="mixed precision of the update, the same on both sides")
+    cmd.add_argument("--precision", choices=["auto", "bf16", "fp32"], default="auto",
+                     help="mixed precision of the update, the same on both sides; auto: bf16 "
+                          "on a GPU that has it, and on a CPU only where it computes bf16 "
+                          "natively (AVX512_BF16, AMX) for a model of >= 4 M parameters; "
+                          "fp32 elsewhere")
     cmd.add_argument("--beta", type=float, default=0.04, help="KL coefficient (> 0 so both "
                                                                "sides run the reference)")
     cmd.add_argument("--device", default=None, help="cpu or cuda[:N]; default: CUDA if present")

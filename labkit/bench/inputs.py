@@ -15,6 +15,24 @@ TEST_SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
 """`--scale test`: the same measurements on a toy model, to check the command quickly."""
 
 
+def bench_precision(choice: str, device: str, params: int) -> str:
+    """The precision a bench measurement runs in: `choice` when it is bf16 or fp32; for
+    "auto", training's rule on a GPU (bf16 where the device computes it), and on a CPU bf16
+    only where the CPU computes it natively and the model has at least
+    `labkit.fast.decoder.CPU_LOW_PRECISION_MIN_PARAMS` parameters (below that the rollout
+    keeps fp32 products, and bf16 saves no memory traffic), else fp32."""
+    if choice in ("bf16", "fp32"):
+        return choice
+    import torch
+
+    from labkit.fast.decoder import CPU_LOW_PRECISION_MIN_PARAMS
+    from labkit.learner import cpu_bf16_native, resolve_precision
+
+    if device.startswith("cuda"):
+        return resolve_precision("auto", torch.device(device))
+    return "bf16" if cpu_bf16_native() and params >= CPU_LOW_PRECISION_MIN_PARAMS else "fp32"
+
+
 @dataclass(frozen=True)
 class Work:
     """One GRPO step's work, the same on both sides."""
@@ -26,7 +44,7 @@ class Work:
     group_size: int = 8
     max_new_tokens: int = 16
     beta: float = 0.04
-    precision: str = "bf16"
+    precision: str = "fp32"
     gradient_checkpointing: bool = False
     device: str = "cpu"
     steps: int = 10

@@ -19,8 +19,13 @@ def slope(xs, ys) -> float:
     return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
 
 
-def summarize(results: dict, *, params: int, device: str, precision: str, args) -> dict:
-    """The JSON summary of every measurement (`results`: the workers' outputs by name)."""
+def summarize(results: dict, *, params: int, device: str, precision: dict, args) -> dict:
+    """The JSON summary of every measurement (`results`: the workers' outputs by name;
+    `precision`: each config's, {"tiny": ..., "small": ...})."""
+    import torch
+
+    from labkit.learner import cpu_bf16_native
+
     step = {k: median(v["step_s"]) for k, v in results.items()
             if k.startswith(("labkit_", "trl_"))}
     roll = results["rollout"]
@@ -43,7 +48,9 @@ def summarize(results: dict, *, params: int, device: str, precision: str, args) 
         results["memory_ppo"]["completions"],
         "memory_tokens_per_step": results["memory_grpo"]["tokens"],
         "memory_lr": results["memory_grpo"]["lr"],
-        "precision": precision, "gradient_checkpointing": False, "device": device,
+        "precision": precision["small"], "precision_tiny": precision["tiny"],
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cpu_bf16_native": cpu_bf16_native(), "gradient_checkpointing": False, "device": device,
         "small_params": params, "steps_timed": args.steps, "warmup": args.warmup,
         "rounds": args.rounds,
         "beta": args.beta, "torch_threads": _threads(),
@@ -113,7 +120,8 @@ def table(summary: dict) -> str:
         op, bound = TARGETS[key]
         mark = "met" if s["targets_met"][key] else "MISSED"
         lines.append(f"{label:<44}{ours:>14}{peer:>26}{s[key]:>8.3f}  {op} {bound} {mark}")
-    lines.append(f"precision {s['precision']} (both sides), gradient checkpointing off (both), "
+    lines.append(f"CPU capability {s['cpu_capability']}, precision tiny {s['precision_tiny']}, "
+                 f"small {s['precision']} (both sides), gradient checkpointing off (both), "
                  f"device {s['device']}, {s['torch_threads']} torch threads, beta {s['beta']}, "
                  f"median of {s['rounds']} x {s['steps_timed']} steps, each run after "
                  f"{s['warmup']} warm-up, labkit and TRL taking turns; "
