@@ -60,7 +60,7 @@ def test_bad_options_are_one_clear_line(args, name):
 
 
 def test_the_command_runs_end_to_end_and_ends_with_its_json_line():
-    done = _cli("--scale", "test", "--steps", "1", "--warmup", "0", "--quiet")
+    done = _cli("--scale", "test", "--steps", "1", "--warmup", "0", "--rounds", "2", "--quiet")
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.strip().splitlines()
     summary = json.loads(lines[-1])
@@ -78,6 +78,10 @@ def test_the_command_runs_end_to_end_and_ends_with_its_json_line():
     assert summary["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
     assert isinstance(summary["cpu_bf16_native"], bool)
     assert summary["rounds"] == 2  # labkit and TRL took turns twice, their steps pooled
+    for label in ("tiny", "small"):  # each round's ratio, and their spread
+        ratios = summary[f"trl_step_ratio_{label}_rounds"]
+        assert len(ratios) == 2 and summary[f"rounds_rerun_{label}"] == 0
+        assert summary[f"trl_step_ratio_{label}_spread"]["min"] == min(ratios)
     assert {p["axis"] for p in summary["scaling"]} == {"group_size", "max_new_tokens", "plain"}
     # the prompt-wide passes (prefill, reference and update prompt passes) were timed
     assert all(p["prompt_s"] > 0 for p in summary["scaling"] if p["axis"] != "plain")
@@ -282,3 +286,47 @@ def test_bf16_on_a_cpu_without_it_is_said_before_the_bench_starts(monkeypatch, c
     with pytest.raises(RuntimeError, match="stopped"):
         bench.run(args)
     assert "torch emulates it, slower than fp32" in capsys.readouterr().err
+
+
+def _steps(*medians):
+    return [{"labkit": {"step_s": [m[0]]}, "trl": {"step_s": [m[1]]}} for m in medians]
+
+
+def test_a_round_that_strays_is_found_on_either_side():
+    from labkit import bench
+
+    assert bench.strays(_steps((1.0, 2.0), (1.1, 2.1), (1.0, 2.0))) == []
+    assert bench.strays(_steps((1.0, 2.0), (1.6, 2.0), (1.0, 2.0))) == [1]   # labkit 1.6x
+    assert bench.strays(_steps((1.0, 2.0), (1.0, 2.0), (1.0, 1.2))) == [2]   # TRL 1/1.67
+    assert bench.strays(_steps((1.0, 2.0), (3.0, 6.0))) == []  # two rounds: no majority
+
+
+def test_compare_rounds_reruns_a_stray_round_once_and_reports_each_round():
+    from labkit import bench
+
+    calls = []
+    busy = {("labkit", 1)}  # the first time round 2 measures labkit, the machine is busy
+
+    def measure(side, work):
+        turn = sum(1 for s, _ in calls if s == side)
+        calls.append((side, turn))
+        slow = 3.0 if (side, turn) in busy else 1.0
+        return {"step_s": [slow * (1.0 if side == "labkit" else 2.0)] * 3, "rollout_s": [0.1]}
+
+    out = bench.compare_rounds("small", None, 3, lambda *a: None, measure=measure)
+    assert len(calls) == 8  # 3 rounds of 2 sides, then round 2 again
+    assert [r["rerun"] for r in out["rounds_small"]] == [False, True, False]
+    assert [r["labkit"] / r["trl"] for r in out["rounds_small"]] == [0.5, 0.5, 0.5]
+    assert out["labkit_small"]["step_s"] == [1.0] * 9  # the stray round's steps are gone
+
+
+def test_the_comparison_and_the_scaling_table_must_agree_on_the_same_shape():
+    points = [{"axis": "group_size", "value": 8, "step_s": 1.1},
+              {"axis": "max_new_tokens", "value": 64, "step_s": 1.2},
+              {"axis": "group_size", "value": 2, "step_s": 0.4}]
+    check = report.consistency(1.0, points, group_size=8, max_new_tokens=64)
+    assert check["scaling_step_s"] == [1.1, 1.2] and check["agree"] is True
+    assert check["disagreement"] == pytest.approx(0.2)
+    busy = report.consistency(0.5, points, group_size=8, max_new_tokens=64)  # 2.4x: flagged
+    assert busy["agree"] is False and busy["disagreement"] == pytest.approx(1.4)
+    assert report.consistency(1.0, points, group_size=16, max_new_tokens=32)["agree"] is None

@@ -32,6 +32,7 @@ in its own process), `report` (the summary and the table); this one is the comma
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 import tempfile
 from dataclasses import replace
@@ -102,16 +103,7 @@ def run(args) -> dict:
         say(f"[bench] CPU capability {capability}, native bf16 {cpu_bf16_native()}; precision "
             f"tiny {tiny.precision}, small {small.precision}")
         for label, work in (("tiny", tiny), ("small", small)):
-            # labkit and TRL take turns, `rounds` times, and each side's steps are pooled:
-            # a slow spell of the shared machine then falls on both sides, not on one
-            for side in ("labkit", "trl"):
-                results[f"{side}_{label}"] = {}
-            for turn in range(args.rounds):
-                for side in ("labkit", "trl"):
-                    say(f"[bench] GRPO step, {label}: {'TRL' if side == 'trl' else side} "
-                        f"(round {turn + 1} of {args.rounds})")
-                    for key, values in run_worker(side, work).items():
-                        results[f"{side}_{label}"].setdefault(key, []).extend(values)
+            results |= compare_rounds(label, work, args.rounds, say)
         say("[bench] rollout vs model.generate")
         rollout_work = replace(small, batch_prompts=4, max_new_tokens=64,
                                steps=max(3, args.steps // 2), warmup=1)
@@ -127,7 +119,62 @@ def run(args) -> dict:
             scaling_work = replace(small, steps=max(2, args.steps // 3), warmup=1)
             results["scaling"] = run_worker("scaling", scaling_work, groups=groups,
                                              lengths=lengths, prompt_width=128)["points"]
+            results["scaling_shape"] = {"group_size": small.group_size,
+                                        "max_new_tokens": small.max_new_tokens}
     return summarize(results, params=params, device=device, precision=precision, args=args)
+
+
+OUTLIER = 1.5
+"""A round whose median step strays more than this factor from the median over the rounds
+(on either side) is flagged and run again, once, rather than pooled."""
+
+
+def compare_rounds(label: str, work: Work, rounds: int, say, measure=None) -> dict:
+    """labkit and TRL take turns on `work`, `rounds` times, so a slow spell of a shared
+    machine falls on both sides; a round that strays (OUTLIER) is run again once and
+    replaces the stray. Returns {"labkit_<label>": pooled step figures, "trl_<label>": ...,
+    "rounds_<label>": [{"labkit": median step, "trl": ..., "rerun": bool}, ...]}.
+    `measure(side, work)` runs one side (default: its own worker process)."""
+    measure = measure or run_worker
+
+    def one(turn: int) -> dict:
+        out = {}
+        for side in ("labkit", "trl"):
+            say(f"[bench] GRPO step, {label}: {'TRL' if side == 'trl' else side} "
+                f"(round {turn + 1} of {rounds})")
+            out[side] = measure(side, work)
+        return out
+
+    done = [one(turn) for turn in range(rounds)]
+    reruns = set()
+    for turn in strays(done):
+        say(f"[bench] round {turn + 1} of {label} strays more than {OUTLIER}x from the "
+            "others: running it again")
+        done[turn] = one(turn)
+        reruns.add(turn)
+    out: dict = {f"{side}_{label}": {} for side in ("labkit", "trl")}
+    for measured in done:
+        for side in ("labkit", "trl"):
+            for key, values in measured[side].items():
+                out[f"{side}_{label}"].setdefault(key, []).extend(values)
+    out[f"rounds_{label}"] = [{"labkit": statistics.median(m["labkit"]["step_s"]),
+                               "trl": statistics.median(m["trl"]["step_s"]),
+                               "rerun": turn in reruns} for turn, m in enumerate(done)]
+    return out
+
+
+def strays(done: list[dict]) -> list[int]:
+    """The rounds (indices) whose median step, on either side, is more than OUTLIER times
+    above or below the median over all rounds of that side (robust to one stray among
+    three); none with fewer than 3 rounds (two rounds cannot say which one strays)."""
+    if len(done) < 3:
+        return []
+    medians = {side: [statistics.median(d[side]["step_s"]) for d in done]
+               for side in ("labkit", "trl")}
+    middle = {side: statistics.median(values) for side, values in medians.items()}
+    return [turn for turn in range(len(done))
+            if any(max(medians[side][turn] / middle[side], middle[side] / medians[side][turn])
+                   > OUTLIER for side in medians)]
 
 
 def _card_params() -> int:
@@ -142,9 +189,10 @@ def add_parser(sub) -> None:
                                        "TRL, model.generate and PPO")
     cmd.add_argument("--steps", type=int, default=10, help="timed steps per measurement")
     cmd.add_argument("--warmup", type=int, default=3, help="untimed steps first")
-    cmd.add_argument("--rounds", type=int, default=2,
+    cmd.add_argument("--rounds", type=int, default=3,
                      help="times labkit and TRL take turns at each step comparison (their "
-                          "timed steps pooled)")
+                          "timed steps pooled; from 3 rounds, a round that strays more than "
+                          "1.5x from the others is run again)")
     cmd.add_argument("--precision", choices=["auto", "bf16", "fp32"], default="auto",
                      help="mixed precision of the update, the same on both sides; auto: bf16 "
                           "on a GPU that has it, and on a CPU only where it computes bf16 "

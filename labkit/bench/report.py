@@ -57,13 +57,51 @@ def summarize(results: dict, *, params: int, device: str, precision: dict, args)
     }
     for label in ("tiny", "small"):
         summary |= _floor_figures(results[f"labkit_{label}"], label, step[f"trl_{label}"])
+    for label in ("tiny", "small"):
+        summary |= _round_figures(results.get(f"rounds_{label}"), label)
     if results.get("scaling"):
         summary |= _scaling_figures(results["scaling"])
+        summary["consistency"] = consistency(summary["labkit_step_s_small"],
+                                             results["scaling"],
+                                             **results.get("scaling_shape", {}))
     summary["targets_met"] = {key: (summary[key] <= bound if op == "<=" else summary[key] >= bound)
                               for key, (op, bound) in TARGETS.items()}
     # unequal work is no comparison: the memory target needs the same completions both sides
     summary["targets_met"]["grpo_ppo_memory_ratio"] &= summary["memory_same_completions"]
     return summary
+
+
+AGREE = 0.25
+"""The comparison's small step and the scaling table's point of the same shape must agree
+within this share; more says the machine was busy during one of them."""
+
+
+def consistency(step_s: float, points: list[dict], group_size: int = 8,
+                max_new_tokens: int = 64) -> dict:
+    """The comparison's labkit step on the small config against the scaling table's points
+    of the same shape (its G on the group axis, its completion length on the length axis):
+    {"comparison_step_s", "scaling_step_s", "disagreement" (largest |a/b - 1|), "agree"};
+    None where the table has no such point."""
+    same = [p["step_s"] for p in points
+            if (p["axis"] == "group_size" and p["value"] == group_size)
+            or (p["axis"] == "max_new_tokens" and p["value"] == max_new_tokens)]
+    if not same:
+        return {"comparison_step_s": step_s, "scaling_step_s": [], "disagreement": None,
+                "agree": None}
+    worst = max(abs(x / step_s - 1) for x in same)
+    return {"comparison_step_s": step_s, "scaling_step_s": same, "disagreement": worst,
+            "agree": worst <= AGREE}
+
+
+def _round_figures(rounds: list[dict] | None, label: str) -> dict:
+    """Each round's labkit / TRL ratio of median steps, and their spread."""
+    if not rounds:
+        return {}
+    ratios = [r["labkit"] / r["trl"] for r in rounds]
+    return {f"trl_step_ratio_{label}_rounds": ratios,
+            f"trl_step_ratio_{label}_spread": {"min": min(ratios), "median": median(ratios),
+                                               "max": max(ratios)},
+            f"rounds_rerun_{label}": sum(r["rerun"] for r in rounds)}
 
 
 def _floor_figures(ours: dict, label: str, trl_step_s: float) -> dict:
@@ -128,6 +166,19 @@ def table(summary: dict) -> str:
                  f"small model {s['small_params'] / 1e6:.1f} M params; "
                  f"greedy tokens identical: {s['rollout_identical']}; memory: both at lr "
                  f"{s['memory_lr']:g}, same completions: {s['memory_same_completions']}")
+    for label in ("tiny", "small"):
+        spread = s.get(f"trl_step_ratio_{label}_spread")
+        if spread:
+            lines.append(f"TRL ratio over rounds, {label}: min {spread['min']:.3f}, median "
+                         f"{spread['median']:.3f}, max {spread['max']:.3f} "
+                         f"({s[f'rounds_rerun_{label}']} round(s) run again)")
+    check = s.get("consistency") or {}
+    if check.get("agree") is False:
+        same = ", ".join(f"{x:.3f}" for x in check["scaling_step_s"])
+        lines.append(f"WARNING: the comparison's small step ({check['comparison_step_s']:.3f} s) "
+                     f"and the scaling table's same shape ({same} s) "
+                     f"disagree by {100 * check['disagreement']:.0f}% (> {100 * AGREE:.0f}%): "
+                     "the machine was busy in one of them; run the bench again")
     if "floor_s_tiny" in s:
         lines += _floor_lines(s)
     if "scaling" in s:
