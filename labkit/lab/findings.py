@@ -116,22 +116,21 @@ def collect(claims_dir: str | Path = CLAIMS_DIR, root: str | Path | None = None,
         if not sweep.claims:
             raise ValueError(f"{file.name} has no `claim:` block: it is a sweep, not a claim")
         runs = plan(sweep, root)
+        done = [run for run in runs if run.status == "done"]
+        # what a run says of its machine and time, read once for every claim it answers
+        facts = [(_machines(run.path), _duration(run.path),
+                  sum(v for key, v in run.summary.items()
+                      if key.endswith("/wall_s") and isinstance(v, (int, float))))
+                 for run in done]
         for claim in sweep.claims:
-            result = ClaimResult(file, claim)
-            result.runs_total = len(runs)
-            for run in runs:
-                if run.status != "done":
-                    continue
-                result.runs_done += 1
+            result = ClaimResult(file, claim, runs_done=len(done), runs_total=len(runs))
+            for run, ((kinds, commits), elapsed, compute) in zip(done, facts):
                 result.rows += [finding_row(run.summary, k, run.id)
                                 for k in selected(run.summary, claim.get("findings"))]
-                kinds, commits = _machines(run.path)
                 result.machines |= kinds
                 result.commits |= commits
-                result.compute_s += sum(v for key, v in run.summary.items()
-                                        if key.endswith("/wall_s")
-                                        and isinstance(v, (int, float)))
-                result.elapsed_s += _duration(run.path)
+                result.compute_s += compute
+                result.elapsed_s += elapsed
             results.append(result)
     return sorted(results, key=lambda r: r.claim.get("id", 0))
 

@@ -150,8 +150,9 @@ def diagnostic_findings(rows: Sequence[dict],
 
     def ratio(key: str, at: int) -> stats.Interval:
         a, b = keys[key]
-        pairs = [(rec[a], rec[b]) for both in measured.values() for rec in both[at:at + 1]]
-        return stats.ratio_interval([x for x, _ in pairs], [y for _, y in pairs], unit="runs")
+        records = [both[at] for both in measured.values()]
+        return stats.ratio_interval([r[a] for r in records], [r[b] for r in records],
+                                    unit="runs")
 
     relvar = "gradient relative variance"
     return [
