@@ -8,6 +8,7 @@ worker processes. Each run writes its own folder inside the notebook's.
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -22,6 +23,8 @@ BUDGETS = ("samples", "prompts", "both")  # B*G fixed / B fixed / the two sweeps
 # no progress bars in notebook outputs; one torch thread a run, so runs in parallel worker
 # processes give the same numbers as runs one after the other
 NOTEBOOK_DEFAULTS = dict(progress=False, threads=1)
+# where notebooks run without a run_dir write, instead of the project's experiments/runs/
+RUNS_ENV = "LABKIT_NOTEBOOK_RUNS"
 
 
 def setup(threads: int = 1) -> None:
@@ -47,12 +50,14 @@ def project_root(start: str | Path | None = None) -> Path:
 
 def resolve_run_dir(run_dir: str, stem: str) -> Path:
     """The notebook's output folder: `run_dir` when given (created if missing), else a new
-    `experiments/runs/<stem>/<date-time>-<pid>` under the project root."""
+    `<root>/<stem>/<date-time>-<pid>`, where root is $LABKIT_NOTEBOOK_RUNS when set and the
+    project's experiments/runs/ otherwise."""
     if run_dir:
         path = Path(run_dir).expanduser()
         path.mkdir(parents=True, exist_ok=True)
         return path
-    return rundir.new_run_dir(stem, root=project_root() / rundir.RUNS_ROOT)
+    root = os.environ.get(RUNS_ENV) or project_root() / rundir.RUNS_ROOT
+    return rundir.new_run_dir(stem, root=Path(root).expanduser())
 
 
 def fresh_dir(path: str | Path) -> Path:
