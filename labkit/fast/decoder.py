@@ -57,11 +57,11 @@ def decoder_or(plain: Callable, shared_prefix: bool | None = None) -> Callable:
 
 
 def _pack(linears, dtype, norm_weight: Tensor | None = None, q_scale: float | None = None):
-    """(W, bias) of linears stacked along their outputs, cast to `dtype`, for
-    `mm(x, W.t())`. `norm_weight` (in,) scales W's columns (the RMSNorm before it);
+    """(W^T, bias) of linears stacked along their outputs, cast to `dtype`, for
+    `mm(x, W^T)`. `norm_weight` (in,) scales W's columns (the RMSNorm before it);
     `q_scale` scales the first linear's outputs (attention's 1/sqrt(D) on q). Each matrix is
     scaled in its own dtype and cast before the stacking, so the one full-size copy made
-    is already in `dtype`."""
+    is already in `dtype`. W^T is laid out by `in_out_layout`."""
     weights, biases = [], []
     for i, m in enumerate(linears):
         w, b = m.weight, m.bias
@@ -72,22 +72,33 @@ def _pack(linears, dtype, norm_weight: Tensor | None = None, q_scale: float | No
         weights.append(w.to(dtype))
         biases.append(b)
     bias = None if biases[0] is None else torch.cat(biases).to(dtype)
-    return (weights[0] if len(weights) == 1 else torch.cat(weights)).contiguous(), bias
+    weight = weights[0] if len(weights) == 1 else torch.cat(weights)
+    return (weight.t().contiguous() if in_out_layout(dtype) else weight.contiguous().t()), bias
+
+
+def in_out_layout(dtype) -> bool:
+    """Whether the packed W^T is stored (in, out) in memory, so a product reads it row by
+    row, rather than as a transposed view of the (out, in) matrix. fp32: (in, out). At a
+    decode step's few rows (B*G = 16) MKL's sgemm runs the transposed view 1.4x (AVX2) to
+    5x (AVX-512) slower than the same product on (in, out), and from a few hundred rows both
+    run alike (docs/performance.md). Low precision keeps the transposed view, the layout
+    its figures were measured with."""
+    return dtype == torch.float32
 
 
 def _matmul(x: Tensor, packed, dtype) -> Tensor:
-    weight, bias = packed
+    weight_t, bias = packed
     x = x.to(dtype)
     rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # a decode step's are 2-D
-    out = torch.mm(rows, weight.t()) if bias is None else torch.addmm(bias, rows, weight.t())
+    out = torch.mm(rows, weight_t) if bias is None else torch.addmm(bias, rows, weight_t)
     return out if x.dim() == 2 else out.view(*x.shape[:-1], out.shape[-1])
 
 
 def _residual(x: Tensor, inp: Tensor, packed, dtype) -> Tensor:
-    """x + inp @ W.t() (+ bias): one fused product on a decode step's fp32 rows."""
-    weight, bias = packed
-    if x.dim() == 2 and bias is None and weight.dtype == x.dtype == inp.dtype:
-        return torch.addmm(x, inp, weight.t())
+    """x + inp @ W^T (+ bias): one fused product on a decode step's fp32 rows."""
+    weight_t, bias = packed
+    if x.dim() == 2 and bias is None and weight_t.dtype == x.dtype == inp.dtype:
+        return torch.addmm(x, inp, weight_t)
     return x + _matmul(inp, packed, dtype)
 
 
