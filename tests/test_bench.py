@@ -82,6 +82,8 @@ def test_the_command_runs_end_to_end_and_ends_with_its_json_line():
         ratios = summary[f"trl_step_ratio_{label}_rounds"]
         assert len(ratios) == 2 and summary[f"rounds_rerun_{label}"] == 0
         assert summary[f"trl_step_ratio_{label}_spread"]["min"] == min(ratios)
+        assert summary[f"rounds_to_stable_{label}"] == report.rounds_to_stable(ratios)
+    assert summary["mode"] == "full"
     assert {p["axis"] for p in summary["scaling"]} == {"group_size", "max_new_tokens", "plain"}
     # the prompt-wide passes (prefill, reference and update prompt passes) were timed
     assert all(p["prompt_s"] > 0 for p in summary["scaling"] if p["axis"] != "plain")
@@ -330,3 +332,59 @@ def test_the_comparison_and_the_scaling_table_must_agree_on_the_same_shape():
     busy = report.consistency(0.5, points, group_size=8, max_new_tokens=64)  # 2.4x: flagged
     assert busy["agree"] is False and busy["disagreement"] == pytest.approx(1.4)
     assert report.consistency(1.0, points, group_size=16, max_new_tokens=32)["agree"] is None
+
+
+def _bench_args(*argv):
+    import argparse
+
+    from labkit import bench
+
+    sub = argparse.ArgumentParser().add_subparsers(dest="cmd")
+    bench.add_parser(sub)
+    args = sub.choices["bench"].parse_args(list(argv))
+    bench.resolve_mode(args)
+    return args
+
+
+def test_quick_takes_fewer_steps_and_one_scaling_point_unless_told_otherwise():
+    from labkit import bench
+
+    work = inputs.Work("m", ("1+1=",), ("2",), group_size=8)
+    full, quick = _bench_args(), _bench_args("--quick")
+    assert (full.steps, full.warmup, full.rounds) == (8, 2, 3)
+    assert (quick.steps, quick.warmup, quick.rounds) == (2, 1, 3)  # still 3 rounds
+    assert _bench_args("--quick", "--steps", "5").steps == 5  # given steps win
+    assert bench.scaling_points(full, work)["groups"] == [2, 4, 8, 16]
+    assert bench.scaling_points(quick, work) == dict(groups=[8], lengths=[], plain=False)
+    assert bench.scaling_points(_bench_args("--quick", "--no-scaling"), work) is None
+
+
+def test_a_one_point_scaling_table_gives_the_consistency_check_and_no_slopes():
+    point = {"axis": "group_size", "value": 8, "step_s": 2.0, "rollout_s": 1.0,
+             "update_s": 1.0, "prompt_s": 0.1}
+    figures = report._scaling_figures([point])
+    assert figures == {"scaling": [point]}
+    assert report.consistency(2.4, [point])["agree"] is True  # 17% apart
+    check = report.consistency(3.0, [point])
+    assert check["agree"] is False and check["disagreement"] == pytest.approx(1 / 3)
+    assert "slopes" not in "\n".join(report._scaling_lines(figures))
+
+
+@pytest.mark.parametrize("ratios, stable", [
+    ([0.5, 0.5, 0.5], 1),
+    ([0.8, 0.5, 0.5], 3),        # running medians 0.8, 0.65 (both off), then 0.5
+    ([0.5, 0.8, 0.52, 0.51], 3),  # running medians 0.5, 0.65 (off), 0.52, 0.515
+    ([0.5, 0.6, 0.7], 3),        # only the whole set gives its own median
+])
+def test_rounds_to_stable_counts_the_rounds_after_which_the_median_stays_put(ratios, stable):
+    got = report.rounds_to_stable(ratios)
+    # plain reference: the smallest k from which every running median is within 5%
+    final = sorted(ratios)[len(ratios) // 2] if len(ratios) % 2 else \
+        sum(sorted(ratios)[len(ratios) // 2 - 1:len(ratios) // 2 + 1]) / 2
+
+    def med(xs):
+        xs = sorted(xs)
+        return xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2
+    want = min(k for k in range(1, len(ratios) + 1)
+               if all(abs(med(ratios[:j]) / final - 1) <= 0.05 for j in range(k, len(ratios) + 1)))
+    assert got == want == stable

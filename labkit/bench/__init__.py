@@ -44,8 +44,36 @@ from labkit.bench.report import summarize, table
 from labkit.bench.workers import run_worker
 
 
+MODES = {"full": dict(steps=8, warmup=2), "quick": dict(steps=2, warmup=1)}
+"""Timed and warm-up steps per measurement when --steps and --warmup are not given: the full
+bench, and --quick (every comparison still in 3 rounds, the scaling table cut to the one
+point the consistency check needs)."""
+
+
+def resolve_mode(args) -> None:
+    """Fill --steps and --warmup left unset from the mode (--quick or full)."""
+    mode = MODES["quick" if getattr(args, "quick", False) else "full"]
+    for key, value in mode.items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
+
+
+def scaling_points(args, work: Work) -> dict | None:
+    """The scaling worker's sweep: G over 2..16 and the completion length over 16..128 with
+    the plain update (full); the comparison's shape alone (--quick, for the consistency
+    check); toy lengths at --scale test; None with --no-scaling."""
+    if not args.scaling:
+        return None
+    if getattr(args, "quick", False):
+        return dict(groups=[work.group_size], lengths=[], plain=False)
+    if args.scale == "test":
+        return dict(groups=[2, 4], lengths=[8, 16], plain=True)
+    return dict(groups=[2, 4, 8, 16], lengths=[16, 32, 64, 128], plain=True)
+
+
 def check_args(args) -> None:
     """Reject bad options before any model loads."""
+    resolve_mode(args)
     if args.steps < 1:
         raise ValueError(f"--steps must be >= 1, got {args.steps}")
     if args.warmup < 0:
@@ -112,13 +140,13 @@ def run(args) -> dict:
         memory_work = replace(small, steps=2, warmup=0)
         for algo in ("grpo", "ppo"):
             results[f"memory_{algo}"] = run_worker("memory", memory_work, algo=algo)
-        if args.scaling:
-            say("[bench] scaling with G and completion length")
-            groups, lengths = ([2, 4, 8, 16], [16, 32, 64, 128]) if args.scale == "full" \
-                else ([2, 4], [8, 16])
+        points = scaling_points(args, small)
+        if points is not None:
+            say("[bench] scaling with G and completion length" if points["plain"] else
+                "[bench] the comparison's small step again, for the consistency check")
             scaling_work = replace(small, steps=max(2, args.steps // 3), warmup=1)
-            results["scaling"] = run_worker("scaling", scaling_work, groups=groups,
-                                             lengths=lengths, prompt_width=128)["points"]
+            results["scaling"] = run_worker("scaling", scaling_work, prompt_width=128,
+                                             **points)["points"]
             results["scaling_shape"] = {"group_size": small.group_size,
                                         "max_new_tokens": small.max_new_tokens}
     return summarize(results, params=params, device=device, precision=precision, args=args)
@@ -187,8 +215,14 @@ def _card_params() -> int:
 def add_parser(sub) -> None:
     cmd = sub.add_parser("bench", help="time labkit's GRPO step, rollout and memory against "
                                        "TRL, model.generate and PPO")
-    cmd.add_argument("--steps", type=int, default=10, help="timed steps per measurement")
-    cmd.add_argument("--warmup", type=int, default=3, help="untimed steps first")
+    cmd.add_argument("--quick", action="store_true",
+                     help="fewer steps (2 timed after 1 warm-up, still 3 rounds) and only the "
+                          "scaling point of the comparison's shape: a first look in about "
+                          "5 minutes on 2 cores, noisier than the full bench")
+    cmd.add_argument("--steps", type=int, default=None,
+                     help="timed steps per measurement (default 8, --quick 2)")
+    cmd.add_argument("--warmup", type=int, default=None,
+                     help="untimed steps first (default 2, --quick 1)")
     cmd.add_argument("--rounds", type=int, default=3,
                      help="times labkit and TRL take turns at each step comparison (their "
                           "timed steps pooled; from 3 rounds, a round that strays more than "

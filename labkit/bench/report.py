@@ -52,7 +52,7 @@ def summarize(results: dict, *, params: int, device: str, precision: dict, args)
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "cpu_bf16_native": cpu_bf16_native(), "gradient_checkpointing": False, "device": device,
         "small_params": params, "steps_timed": args.steps, "warmup": args.warmup,
-        "rounds": args.rounds,
+        "rounds": args.rounds, "mode": "quick" if getattr(args, "quick", False) else "full",
         "beta": args.beta, "torch_threads": _threads(),
     }
     for label in ("tiny", "small"):
@@ -93,15 +93,33 @@ def consistency(step_s: float, points: list[dict], group_size: int = 8,
             "agree": worst <= AGREE}
 
 
+STABLE = 0.05
+"""A median over the first k rounds is stable when it and every later running median lie
+within this share of the median over all rounds."""
+
+
+def rounds_to_stable(ratios: list[float]) -> int:
+    """The fewest leading rounds whose running median of `ratios` stays within STABLE of the
+    median over all of them from there on (len(ratios) when only the last one does)."""
+    final = median(ratios)
+    close = [abs(median(ratios[:k]) / final - 1) <= STABLE for k in range(1, len(ratios) + 1)]
+    k = len(ratios)
+    while k > 1 and close[k - 2]:
+        k -= 1
+    return k
+
+
 def _round_figures(rounds: list[dict] | None, label: str) -> dict:
-    """Each round's labkit / TRL ratio of median steps, and their spread."""
+    """Each round's labkit / TRL ratio of median steps, their spread, and how many rounds
+    the running median needed to settle (`rounds_to_stable`)."""
     if not rounds:
         return {}
     ratios = [r["labkit"] / r["trl"] for r in rounds]
     return {f"trl_step_ratio_{label}_rounds": ratios,
             f"trl_step_ratio_{label}_spread": {"min": min(ratios), "median": median(ratios),
                                                "max": max(ratios)},
-            f"rounds_rerun_{label}": sum(r["rerun"] for r in rounds)}
+            f"rounds_rerun_{label}": sum(r["rerun"] for r in rounds),
+            f"rounds_to_stable_{label}": rounds_to_stable(ratios)}
 
 
 def _floor_figures(ours: dict, label: str, trl_step_s: float) -> dict:
@@ -120,14 +138,16 @@ def _scaling_figures(points: list[dict]) -> dict:
     by = {axis: [p for p in points if p["axis"] == axis]
           for axis in ("group_size", "max_new_tokens", "plain")}
     g, t = by["group_size"], by["max_new_tokens"]
-    out = {"scaling": points,
-           "slope_step_s_per_completion_of_group": slope(
-               [p["value"] for p in g], [p["step_s"] for p in g]),
-           "slope_prompt_s_per_completion_of_group": slope(
-               [p["value"] for p in g], [p["prompt_s"] for p in g]),
-           "slope_step_s_per_completion_token": slope(
-               [p["value"] for p in t], [p["step_s"] for p in t])}
-    shared = [p for p in g if p["value"] == by["plain"][0]["value"]]
+    out = {"scaling": points}
+    if len(g) > 1:  # --quick measures one point only: no slope
+        out["slope_step_s_per_completion_of_group"] = slope(
+            [p["value"] for p in g], [p["step_s"] for p in g])
+        out["slope_prompt_s_per_completion_of_group"] = slope(
+            [p["value"] for p in g], [p["prompt_s"] for p in g])
+    if len(t) > 1:
+        out["slope_step_s_per_completion_token"] = slope(
+            [p["value"] for p in t], [p["step_s"] for p in t])
+    shared = [p for p in g if by["plain"] and p["value"] == by["plain"][0]["value"]]
     if shared:
         out["prompt_shared_update_speedup"] = by["plain"][0]["update_s"] / shared[0]["update_s"]
     return out
@@ -171,7 +191,9 @@ def table(summary: dict) -> str:
         if spread:
             lines.append(f"TRL ratio over rounds, {label}: min {spread['min']:.3f}, median "
                          f"{spread['median']:.3f}, max {spread['max']:.3f} "
-                         f"({s[f'rounds_rerun_{label}']} round(s) run again)")
+                         f"({s[f'rounds_rerun_{label}']} round(s) run again; the running "
+                         f"median settled within {100 * STABLE:.0f}% after "
+                         f"{s[f'rounds_to_stable_{label}']})")
     check = s.get("consistency") or {}
     if check.get("agree") is False:
         same = ", ".join(f"{x:.3f}" for x in check["scaling_step_s"])
@@ -210,10 +232,11 @@ def _scaling_lines(s: dict) -> list[str]:
         prompt = "-" if p["axis"] == "plain" else f"{p['prompt_s']:.3f}"  # not P wide there
         lines.append(f"{name + ' = ' + str(p['value']):<28}{p['step_s']:>9.3f}"
                      f"{p['rollout_s']:>11.3f}{p['update_s']:>10.3f}{prompt:>10}")
-    lines.append(f"slopes: {s['slope_step_s_per_completion_of_group']:.4f} s per unit of G, "
-                 f"{s['slope_step_s_per_completion_token']:.5f} s per completion token, "
-                 f"prompt passes {s['slope_prompt_s_per_completion_of_group']:+.5f} s per "
-                 f"unit of G")
+    if "slope_step_s_per_completion_token" in s:
+        lines.append(f"slopes: {s['slope_step_s_per_completion_of_group']:.4f} s per unit of "
+                     f"G, {s['slope_step_s_per_completion_token']:.5f} s per completion token, "
+                     f"prompt passes {s['slope_prompt_s_per_completion_of_group']:+.5f} s per "
+                     f"unit of G")
     if "prompt_shared_update_speedup" in s:
         lines.append(f"prompt-shared update vs plain (prompt G times): "
                      f"{s['prompt_shared_update_speedup']:.2f}x faster")

@@ -149,15 +149,17 @@ def worker_memory(work: Work, algo: str) -> dict:
             "tokens": times["tokens"], "completions": times["completions"]}
 
 
-def worker_scaling(work: Work, groups: list[int], lengths: list[int], prompt_width: int) -> dict:
+def worker_scaling(work: Work, groups: list[int], lengths: list[int], prompt_width: int,
+                   plain: bool = True) -> dict:
     """labkit's step time against G (at the work's length) and against the completion
-    length (at the work's G), on one trainer; plus the plain (prompt G times) update at the
-    work's G and length."""
+    length (at the work's G), on one trainer; with `plain`, also the plain (prompt G times)
+    update at the work's G and length."""
     trainer = labkit_trainer(work)
     config = trainer.config
     points = [("group_size", G, replace(config, group_size=G)) for G in groups]
     points += [("max_new_tokens", T, replace(config, max_new_tokens=T)) for T in lengths]
-    points += [("plain", work.group_size, replace(config, share_prompt=False))]
+    if plain:
+        points += [("plain", work.group_size, replace(config, share_prompt=False))]
     out = []
     for axis, value, cfg in points:
         times = step_times(trainer.with_config(cfg), work, work.steps, work.warmup, prompt_width)
