@@ -140,6 +140,7 @@ def test_the_step_floor_counts_every_dispatched_operation_and_each_product():
     assert floor["floor_ops"] == 5 and floor["floor_products"] == 3
     assert floor["floor_products_s"] > 0 and floor["floor_others_s"] > 0
     assert floor["floor_s"] == floor["floor_products_s"] + floor["floor_others_s"]
+    assert floor["floor_replay_mb"] > 0
 
 
 def test_the_step_floor_sees_the_backward_and_replays_expanded_inputs():
@@ -149,6 +150,29 @@ def test_the_step_floor_sees_the_backward_and_replays_expanded_inputs():
     floor = step_floor(lambda: (x @ w).sum().backward(), "cpu", replays=2)
     assert floor["floor_products"] == 2  # x @ w, and x.t() @ grad for w (x needs none)
     assert floor["floor_ops"] > 2
+
+
+def test_the_floor_replays_each_large_weight_on_its_own_tensor_and_small_ones_shared():
+    """Four layers' 2 MiB weights of one layout replay on four tensors (as a step reads
+    four weights from memory), four small ones on one; past the budget, large ones share."""
+    from labkit.bench import floor
+
+    x = torch.randn(4, 512)
+    large = [torch.randn(512, 1024) for _ in range(4)]  # 2 MiB each
+    small = [torch.randn(512, 8) for _ in range(4)]
+
+    def step():
+        for w in large + small:
+            torch.mm(x, w)
+        torch.mm(x, large[0])  # the same weight again: the same replay tensor
+
+    calls, _ = floor.record_products(step)
+    weights = [args[1] for _, args, _ in floor.replay_inputs(calls)]
+    ptrs = [w.data_ptr() for w in weights]
+    assert len(set(ptrs[:4])) == 4 and ptrs[8] == ptrs[0]
+    assert len(set(ptrs[4:8])) == 1
+    tight = [args[1].data_ptr() for _, args, _ in floor.replay_inputs(calls, budget=5 << 20)]
+    assert len(set(tight[:4])) == 3  # two fit in 5 MiB, the other two share the layout's
 
 
 def _memory_work():

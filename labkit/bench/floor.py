@@ -14,12 +14,25 @@ PRODUCTS = ("mm", "bmm", "addmm", "baddbmm", "addbmm")
 
 
 class Layout(NamedTuple):
-    """What a product's replay needs of one tensor input."""
+    """What a product's replay needs of one tensor input: its layout, and for a large input
+    the address it was read from (0 for a small one), so that products which read different
+    large tensors (a decode step's 8 layers' weights) replay on different tensors."""
 
     shape: tuple
     stride: tuple
     dtype: Any
     device: Any
+    source: int = 0
+
+
+DISTINCT_MIN_BYTES = 1 << 20
+"""Inputs from this size up are replayed on one tensor per address the step read them
+from: replaying every layer's product on one weight would keep it in the CPU's caches and
+leave out the memory traffic of reading each layer's own weights, which any implementation
+of the step pays. Smaller inputs stay in the caches anyway and share one tensor per layout."""
+DISTINCT_BUDGET_BYTES = 4 << 30
+"""At most this much memory for the replay's distinct large inputs; past it, large inputs
+share one tensor per layout as small ones do (the floor then gets lower, never higher)."""
 
 
 def step_floor(run_step, device, replays: int = 5) -> dict:
@@ -30,7 +43,8 @@ def step_floor(run_step, device, replays: int = 5) -> dict:
     `run_step()` runs once under a dispatch mode that counts every operation torch dispatches
     (forward, backward and optimizer, in inference mode or not) and records the inputs'
     layouts (shapes, strides, dtypes) of each matrix product. The products are replayed on
-    random inputs of those layouts (one tensor per distinct layout), and as many views as the
+    random inputs of those layouts (one tensor per distinct layout, and for inputs of
+    `DISTINCT_MIN_BYTES` or more one per address they were read from), and as many views as the
     step had other operations are made by one `unbind`; each figure is the median of
     `replays` timings. Every operation of the step is counted at no more than its cost, and
     none of the step's Python runs, so the step takes longer than `floor_s` (on CUDA, where
@@ -48,12 +62,15 @@ def step_floor(run_step, device, replays: int = 5) -> dict:
     def others_once():
         probe.unbind()
 
+    held = {a.data_ptr(): a.untyped_storage().nbytes() for _, args, _ in replay for a in args
+            if isinstance(a, torch.Tensor)}
     products_s = median_seconds(products_once, replays)
     others_s = median_seconds(others_once, replays)
     on_cpu = torch.device(device).type == "cpu"
     return {"floor_s": products_s + others_s if on_cpu else max(products_s, others_s),
             "floor_products_s": products_s, "floor_others_s": others_s,
-            "floor_ops": dispatched, "floor_products": len(calls)}
+            "floor_ops": dispatched, "floor_products": len(calls),
+            "floor_replay_mb": sum(held.values()) / 2**20}
 
 
 def record_products(run_step) -> tuple[list, int]:
@@ -67,7 +84,9 @@ def record_products(run_step) -> tuple[list, int]:
 
     def layout(arg):
         if isinstance(arg, torch.Tensor):
-            return Layout(tuple(arg.shape), arg.stride(), arg.dtype, arg.device)
+            large = arg.numel() * arg.element_size() >= DISTINCT_MIN_BYTES
+            return Layout(tuple(arg.shape), arg.stride(), arg.dtype, arg.device,
+                          arg.data_ptr() if large else 0)
         return arg
 
     class Recorder(TorchDispatchMode):
@@ -82,20 +101,25 @@ def record_products(run_step) -> tuple[list, int]:
     return calls, dispatched[0]
 
 
-def replay_inputs(calls: list) -> list:
+def replay_inputs(calls: list, budget: int = DISTINCT_BUDGET_BYTES) -> list:
     """The recorded products with random tensors of their inputs' layouts in place of the
-    layouts: one tensor per distinct layout."""
+    layouts: one tensor per distinct layout and source address, the large distinct ones
+    within `budget` bytes (beyond it, one per layout)."""
     import torch
 
-    made = {}
+    made, spent = {}, [0]
 
     def fresh(arg):
         if not isinstance(arg, Layout):
             return arg
+        extent = 1 + sum((n - 1) * st for n, st in zip(arg.shape, arg.stride) if n > 0)
+        size = extent * torch.empty((), dtype=arg.dtype).element_size()
+        if arg.source and arg not in made and spent[0] + size > budget:
+            arg = arg._replace(source=0)
         if arg not in made:  # strides may overlap (an expanded gradient)
-            extent = 1 + sum((n - 1) * st for n, st in zip(arg.shape, arg.stride) if n > 0)
             base = torch.empty(extent, dtype=arg.dtype, device=arg.device).normal_()
             made[arg] = base.as_strided(arg.shape, arg.stride)
+            spent[0] += size if arg.source else 0
         return made[arg]
 
     return [(func, [fresh(a) for a in args], kwargs) for func, args, kwargs in calls]

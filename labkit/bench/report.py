@@ -129,6 +129,8 @@ def _floor_figures(ours: dict, label: str, trl_step_s: float) -> dict:
     out = {f"{key}_{label}": median(ours[key])
            for key in ("floor_s", "floor_products_s", "floor_others_s")}
     out |= {f"{key}_{label}": int(median(ours[key])) for key in ("floor_ops", "floor_products")}
+    if "floor_replay_mb" in ours:
+        out[f"floor_replay_mb_{label}"] = median(ours["floor_replay_mb"])
     out[f"floor_ratio_{label}"] = out[f"floor_s_{label}"] / trl_step_s
     return out
 
@@ -210,8 +212,8 @@ def table(summary: dict) -> str:
 
 def _floor_lines(s: dict) -> list[str]:
     lines = ["", "floor under labkit's step (`labkit.bench.floor.step_floor`): its matrix products "
-                 "replayed alone, plus its other dispatched operations at the cost of a "
-                 "bare view"]
+                 "replayed alone (each large input read from its own memory, as in the step), "
+                 "plus its other dispatched operations at the cost of a bare view"]
     for label in ("tiny", "small"):
         lines.append(
             f"  {label:<6}{s[f'floor_s_{label}']:.4f} s = {s[f'floor_ratio_{label}']:.3f} of "
