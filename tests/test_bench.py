@@ -330,17 +330,25 @@ def test_a_round_that_strays_is_found_on_either_side():
 def test_compare_rounds_reruns_a_stray_round_once_and_reports_each_round():
     from labkit import bench
 
-    calls = []
+    calls, floors = [], []
     busy = {("labkit", 1)}  # the first time round 2 measures labkit, the machine is busy
 
-    def measure(side, work):
+    def measure(side, work, **options):
         turn = sum(1 for s, _ in calls if s == side)
         calls.append((side, turn))
+        floors.append(options.get("floor"))
         slow = 3.0 if (side, turn) in busy else 1.0
         return {"step_s": [slow * (1.0 if side == "labkit" else 2.0)] * 3, "rollout_s": [0.1]}
 
     out = bench.compare_rounds("small", None, 3, lambda *a: None, measure=measure)
     assert len(calls) == 8  # 3 rounds of 2 sides, then round 2 again
+    assert floors == [True, None] * 4  # labkit's side measures its floor in every round
+    calls.clear(), floors.clear(), busy.clear()
+    bench.compare_rounds("small", None, 3, lambda *a: None, measure=measure, floor_rounds=1)
+    assert floors[::2] == [True, False, False]  # --quick: in the first round only
+    calls.clear(), floors.clear()
+    busy.add(("labkit", 1))
+    out = bench.compare_rounds("small", None, 3, lambda *a: None, measure=measure)
     assert [r["rerun"] for r in out["rounds_small"]] == [False, True, False]
     assert [r["labkit"] / r["trl"] for r in out["rounds_small"]] == [0.5, 0.5, 0.5]
     assert out["labkit_small"]["step_s"] == [1.0] * 9  # the stray round's steps are gone

@@ -131,7 +131,9 @@ def run(args) -> dict:
         say(f"[bench] CPU capability {capability}, native bf16 {cpu_bf16_native()}; precision "
             f"tiny {tiny.precision}, small {small.precision}")
         for label, work in (("tiny", tiny), ("small", small)):
-            results |= compare_rounds(label, work, args.rounds, say)
+            # --quick measures the floor once, in the first round
+            results |= compare_rounds(label, work, args.rounds, say,
+                                      floor_rounds=1 if getattr(args, "quick", False) else None)
         say("[bench] rollout vs model.generate")
         rollout_work = replace(small, batch_prompts=4, max_new_tokens=64,
                                steps=max(3, args.steps // 2), warmup=1)
@@ -157,12 +159,15 @@ OUTLIER = 1.5
 (on either side) is flagged and run again, once, rather than pooled."""
 
 
-def compare_rounds(label: str, work: Work, rounds: int, say, measure=None) -> dict:
+def compare_rounds(label: str, work: Work, rounds: int, say, measure=None,
+                   floor_rounds: int | None = None) -> dict:
     """labkit and TRL take turns on `work`, `rounds` times, so a slow spell of a shared
     machine falls on both sides; a round that strays (OUTLIER) is run again once and
     replaces the stray. Returns {"labkit_<label>": pooled step figures, "trl_<label>": ...,
     "rounds_<label>": [{"labkit": median step, "trl": ..., "rerun": bool}, ...]}.
-    `measure(side, work)` runs one side (default: its own worker process)."""
+    `measure(side, work, **options)` runs one side (default: its own worker process); labkit's
+    side measures its step floor in the first `floor_rounds` rounds (all when None), with
+    options {"floor": bool}."""
     measure = measure or run_worker
 
     def one(turn: int) -> dict:
@@ -170,7 +175,9 @@ def compare_rounds(label: str, work: Work, rounds: int, say, measure=None) -> di
         for side in ("labkit", "trl"):
             say(f"[bench] GRPO step, {label}: {'TRL' if side == 'trl' else side} "
                 f"(round {turn + 1} of {rounds})")
-            out[side] = measure(side, work)
+            options = {"floor": floor_rounds is None or turn < floor_rounds} \
+                if side == "labkit" else {}
+            out[side] = measure(side, work, **options)
         return out
 
     done = [one(turn) for turn in range(rounds)]

@@ -38,10 +38,13 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
-def worker_labkit(work: Work) -> dict:
-    """labkit's GRPO step times, and the floor under one more step (`step_floor`)."""
+def worker_labkit(work: Work, floor: bool = True) -> dict:
+    """labkit's GRPO step times, and with `floor` the floor under one more step
+    (`step_floor`)."""
     trainer = labkit_trainer(work)
     out = step_times(trainer, work, work.steps, work.warmup)
+    if not floor:
+        return out
     step = work.warmup + work.steps + 1
     problems = work.step_problems(step)
     floor = step_floor(lambda: trainer.step(step, problems), trainer.device)
