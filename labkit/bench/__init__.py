@@ -225,7 +225,7 @@ def add_parser(sub) -> None:
     cmd.add_argument("--quick", action="store_true",
                      help="fewer steps (2 timed after 1 warm-up, still 3 rounds) and only the "
                           "scaling point of the comparison's shape: a first look in 6-7 "
-                          "5 minutes on 2 cores, noisier than the full bench")
+                          "minutes on 2 cores, noisier than the full bench")
     cmd.add_argument("--steps", type=int, default=None,
                      help="timed steps per measurement (default 8, --quick 2)")
     cmd.add_argument("--warmup", type=int, default=None,
