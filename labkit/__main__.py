@@ -91,6 +91,14 @@ def parse_value(text: str, kind: type, name: str):
                          ) from None
 
 
+class _LinesFormatter(argparse.HelpFormatter):
+    """Wraps each line of a help text on its own, so a registry's choices read one per line."""
+
+    def _split_lines(self, text, width):
+        split = super()._split_lines
+        return [part for line in text.split("\n") for part in (split(line, width) or [""])]
+
+
 def _train_parser(sub) -> None:
     from dataclasses import MISSING, fields
 
@@ -98,7 +106,7 @@ def _train_parser(sub) -> None:
 
     docs, choices = field_docs(), field_choices()
     cmd = sub.add_parser("train", help="run GRPO or PPO; every config field is an option",
-                         description="Train with GRPO or PPO. Options not given keep the "
+                         formatter_class=_LinesFormatter, description="Train with GRPO or PPO. Options not given keep the "
                                      "defaults of labkit.config.TrainConfig.")
     cmd.add_argument("--resume", default=None, metavar="RUN_DIR",
                      help="continue the run in RUN_DIR from its last checkpoint")

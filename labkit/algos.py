@@ -54,12 +54,26 @@ class Learner:
     """How the policy, the reference and the critic run (`TrainConfig.fast`)."""
 
 
-def group_advantages(config: TrainConfig, rewards: Tensor) -> Tensor:
-    """GRPO's arrow: one advantage per completion (N,), from its group alone, by the
-    estimator `config.estimator` of `labkit.advantages.ESTIMATORS`."""
+def advantage_inputs(config: TrainConfig, rewards: Tensor, mask: Tensor | None = None, *,
+                     token_rewards: Tensor | None = None,
+                     extras: dict | None = None) -> adv.AdvantageInputs:
+    """What the estimator reads: the rewards (N,), the mask (N, T), the config's options, and
+    the extras computed for it (`components`, `greedy_rewards`, `values`)."""
+    extras = dict(extras or {})
+    return adv.AdvantageInputs(
+        rewards, config.group_size, mask=mask, scale=config.scale,
+        unbiased=config.std_unbiased, gamma=config.gamma, lam=config.lam,
+        whiten=config.whiten_advantages, token_rewards=token_rewards,
+        components=extras.pop("components", None),
+        component_weights=extras.pop("component_weights", None), extras=extras)
+
+
+def group_advantages(config: TrainConfig, rewards: Tensor, mask: Tensor | None = None,
+                     extras: dict | None = None) -> Tensor:
+    """GRPO's arrow: the advantages by the estimator `config.estimator` of
+    `labkit.advantages.ESTIMATORS`, one per completion (N,) or per token (N, T)."""
     estimator = adv.ESTIMATORS.resolve(config.estimator, "estimator")
-    return estimator(rewards, config.group_size, scale=config.scale,
-                     unbiased=config.std_unbiased)  # (N,)
+    return estimator(advantage_inputs(config, rewards, mask, extras=extras))
 
 
 def kept_rows(config: TrainConfig, rewards: Tensor) -> Tensor:
@@ -214,13 +228,14 @@ def kl_k1(batch: RolloutBatch, ref_logp: Tensor | None) -> dict:
 
 
 def grpo_step(config: TrainConfig, learner: Learner, batch: RolloutBatch, rewards: Tensor,
-              step_seed: int) -> StepOutput:
-    """One GRPO update from a rollout and its rewards (advantages (N,)).
+              step_seed: int, extras: dict | None = None) -> StepOutput:
+    """One GRPO update from a rollout and its rewards (advantages (N,), or (N, T) for the
+    per-token estimators); `extras` holds what the estimator declared it needs.
 
     Departures from PPO: no critic; the baseline is the group's mean reward (and, for grpo,
     the scale its std); KL to the reference sits in the loss, not in the reward.
     """
-    advantages = group_advantages(config, rewards)  # (N,)
+    advantages = group_advantages(config, rewards, batch.completion_mask, extras)
     rows = kept_rows(config, rewards)
     stats = {"rollout/kept_frac": len(rows) / rewards.shape[0]}
     if len(rows) == 0:  # every group had equal rewards: nothing to learn this step
@@ -232,7 +247,7 @@ def grpo_step(config: TrainConfig, learner: Learner, batch: RolloutBatch, reward
 
 
 def ppo_step(config: TrainConfig, learner: Learner, batch: RolloutBatch, rewards: Tensor,
-             step_seed: int) -> StepOutput:
+             step_seed: int, extras: dict | None = None) -> StepOutput:
     """One PPO update (token advantages (N, T)).
 
     The scalar reward sits on each completion's last token, minus beta * KL to the reference
@@ -248,9 +263,10 @@ def ppo_step(config: TrainConfig, learner: Learner, batch: RolloutBatch, rewards
         rewards, mask, logp=batch.old_logprobs if ref_logp is not None else None,
         ref_logp=ref_logp, beta=config.beta if ref_logp is not None else 0.0,
         kind=config.kl_estimator)
-    advantages, returns = adv.ppo_advantages(token_rewards, old_values, mask,
-                                             gamma=config.gamma, lam=config.lam,
-                                             whiten_advantages=config.whiten_advantages)
+    estimator = adv.ESTIMATORS.resolve(config.estimator, "estimator")  # gae by default
+    advantages = estimator(advantage_inputs(config, rewards, mask, token_rewards=token_rewards,
+                                            extras={**(extras or {}), "values": old_values}))
+    _, returns = adv.gae(token_rewards, old_values, mask, gamma=config.gamma, lam=config.lam)
     rows = torch.arange(rewards.shape[0], device=rewards.device)
     stats = update(config, learner, batch, rows, advantages, step_seed,
                    old_values=old_values, returns=returns)

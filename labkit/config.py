@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Literal
 
 from labkit import stops
-from labkit.advantages import ESTIMATORS, Scale
+from labkit.advantages import ESTIMATORS, NEEDS, Scale
 from labkit.fields import base_types, bounded, check, choice, choices, docs
 from labkit.losses import AGG_MODES, Level
 from labkit.models import EMBEDDED, SCRATCHPAD_NAME
@@ -90,8 +90,9 @@ class TrainConfig:
     finished), which keeps the policy from learning to run on past its answer."""
 
     # --- GRPO variants ---------------------------------------------------------------
-    estimator: str = choice("grpo", ESTIMATORS)
-    """Advantage estimator, a name of labkit.advantages.ESTIMATORS."""
+    estimator: str | None = choice(None, ESTIMATORS)
+    """Advantage estimator, a name of labkit.advantages.ESTIMATORS; None takes the
+    algorithm's own: grpo for GRPO, gae for PPO (the one that reads a critic's values)."""
     scale: Scale = "group"
     """grpo: divide by the group's std, the batch's std, or nothing."""
     std_unbiased: bool = True
@@ -226,6 +227,8 @@ class TrainConfig:
         self.reward = spec_text(self.reward)  # a list of (reward, weight) pairs -> its sum
         if self.lr is None and self.algo in ALGO_LR:
             self.lr = ALGO_LR[self.algo]
+        if self.estimator is None:
+            self.estimator = "gae" if self.algo == "ppo" else "grpo"
         if self.scratchpad and self.model is None:
             self.model = SCRATCHPAD_NAME
         check(self)
@@ -254,6 +257,7 @@ class TrainConfig:
                              "num_iterations=1 and minibatches=1")
         if self.reinforce and self.algo != "grpo":
             raise ValueError("reinforce applies to algo='grpo' (group baselines), not ppo")
+        self._check_estimator()
         if self.dynamic_sampling and self.algo != "grpo":
             raise ValueError("dynamic_sampling applies to algo='grpo' (it drops groups of equal "
                              "rewards), not ppo")
@@ -266,6 +270,21 @@ class TrainConfig:
         if (self.rows // self.minibatches) % self.grad_accum:
             raise ValueError(f"grad_accum={self.grad_accum} must divide the "
                              f"{self.rows // self.minibatches} rows of a minibatch")
+
+    def _check_estimator(self) -> None:
+        """An estimator that reads a critic's values is PPO's; any other is GRPO's; and it
+        needs only inputs a trainer can compute (`labkit.advantages.NEEDS`)."""
+        needs = ESTIMATORS.needs(self.estimator)
+        unknown = [n for n in needs if n not in NEEDS]
+        if unknown:
+            raise ValueError(f"estimator={self.estimator!r} needs {unknown}, which no trainer "
+                             f"computes (known: {list(NEEDS)})")
+        if "values" in needs and self.algo != "ppo":
+            raise ValueError(f"estimator={self.estimator!r} reads a critic's values: it needs "
+                             "algo='ppo'")
+        if self.algo == "ppo" and "values" not in needs:
+            raise ValueError(f"algo='ppo' trains a critic for its advantages (estimator 'gae'); "
+                             f"estimator={self.estimator!r} needs no critic: use algo='grpo'")
 
     def _check_task(self) -> None:
         """The task's own rules (digits 1..9, operands 2..8, ops), checked now rather than
@@ -333,9 +352,12 @@ class TrainConfig:
     @classmethod
     def from_dict(cls, values: dict) -> TrainConfig:
         """The config of a config.json; `lean`, the name `fast` had in older run
-        directories, is read as `fast`."""
+        directories, is read as `fast`, and a PPO run's `estimator: grpo` (older runs, whose
+        PPO ignored the field) as `gae`."""
         if "lean" in values and "fast" not in values:
             values = {("fast" if k == "lean" else k): v for k, v in values.items()}
+        if values.get("algo") == "ppo" and values.get("estimator") == "grpo":
+            values = {**values, "estimator": "gae"}  # older runs: PPO ignored the field
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:

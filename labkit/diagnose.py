@@ -26,6 +26,24 @@ from labkit.rollout import rollout
 from labkit.scoring import FAST_PASSES, MODEL_PASSES, token_logprobs, token_values
 
 
+def _check_measurable(name: str) -> None:
+    """ValueError unless estimator `name` gives (N,) from the rewards and G alone: the
+    diagnostics draw rewards, not token masks or extras."""
+    from labkit.advantages import ESTIMATORS, AdvantageInputs
+
+    estimator = ESTIMATORS.resolve(name, "estimators")
+    why = f"needs {list(ESTIMATORS.needs(name))}" if ESTIMATORS.needs(name) else ""
+    if not why:
+        try:
+            out = estimator(AdvantageInputs(torch.tensor([1.0, 0.0, 1.0, 1.0]), 2))
+            why = "" if tuple(out.shape) == (4,) else "gives per-token advantages"
+        except ValueError as e:
+            why = str(e)
+    if why:
+        raise ValueError(f"estimators: {name!r} cannot be measured by the diagnostics, which "
+                         f"give an estimator the rewards and G alone: {why}")
+
+
 @dataclass(frozen=True)
 class DiagSettings:
     """The size of one measurement."""
@@ -41,7 +59,9 @@ class DiagSettings:
     seed: int = 0
     """Seeds the draws (the reference draw and the K batches)."""
     estimators: tuple[str, ...] = GROUP_ESTIMATORS
-    """Group estimators measured: names of labkit.advantages.ESTIMATORS, or `none`."""
+    """Group estimators measured: names of labkit.advantages.ESTIMATORS that give one
+    advantage per completion from the rewards alone (grpo, dr_grpo, rloo, none, opo's needs a
+    mask: not these)."""
 
     def __post_init__(self):
         for name, low, why in (("prompts", 1, "one prompt"), ("batches", 3, "the jackknife"),
@@ -53,11 +73,8 @@ class DiagSettings:
                                             or self.group_size < 2):
             raise ValueError(f"group_size must be None or an int >= 2 (a group baseline "
                              f"compares completions), got {self.group_size!r}")
-        from labkit.advantages import ESTIMATORS
-
         for name in self.estimators:
-            if name != "none":
-                ESTIMATORS.resolve(name, "estimators")
+            _check_measurable(name)
 
 
 def lm_sampler(policy, tokenizer, problems: Sequence, config, *, critic=None,

@@ -83,10 +83,8 @@ def group_baselines(rewards: Tensor, group_size: int, estimators: Sequence[str] 
 
 def raw_advantages(name: str, rewards: Tensor, group_size: int) -> Tensor:
     """Estimator `name`'s advantages (N,) without std scaling; `none` is the reward itself."""
-    if name == "none" and name not in adv.ESTIMATORS:
-        return rewards.clone()
     estimator = adv.ESTIMATORS.resolve(name, "estimators")
-    return estimator(rewards, group_size, scale="none", unbiased=True)
+    return estimator(adv.AdvantageInputs(rewards, group_size, scale="none"))
 
 
 def advantage_rows(draw: Draw, group_size: int, config, *,
@@ -102,12 +100,9 @@ def advantage_rows(draw: Draw, group_size: int, config, *,
     rows = {}
     for name in estimators:
         rows[(name, "raw")] = raw_advantages(name, r, group_size)
-        if name == "none" and name not in adv.ESTIMATORS:
-            rows[(name, "trained")] = rows[(name, "raw")]
-        else:
-            estimator = adv.ESTIMATORS.resolve(name, "estimators")
-            rows[(name, "trained")] = estimator(r, group_size, scale=config.scale,
-                                                unbiased=config.std_unbiased)
+        estimator = adv.ESTIMATORS.resolve(name, "estimators")
+        rows[(name, "trained")] = estimator(adv.AdvantageInputs(
+            r, group_size, scale=config.scale, unbiased=config.std_unbiased))
     if draw.values is not None:
         mask = _mask(draw, r.shape[0], draw.values.shape[1])
         token_rewards = losses.ppo_token_rewards(r, mask)  # (N, T) KL off

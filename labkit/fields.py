@@ -87,11 +87,12 @@ def _bounds(name: str, bounds) -> str:
 
 
 def choices(cls) -> dict[str, str]:
-    """The choices of each `Literal` or registry field of `cls`, as one line for --help."""
+    """The choices of each `Literal` or registry field of `cls` for --help: a Literal's on one
+    line, a registry's one per line."""
     hints, out = get_type_hints(cls), {}
     for f in fields(cls):
         if "registry" in f.metadata:
-            out[f.name] = f.metadata["registry"].describe()
+            out[f.name] = "\n" + f.metadata["registry"].describe("\n")
         elif get_origin(hints[f.name]) is Literal:
             out[f.name] = ", ".join(get_args(hints[f.name]))
     return out

@@ -28,8 +28,14 @@ class Registry(Mapping):
         self.kind, self.params, self.keywords = kind, params, keywords
         self._fns: dict[str, Callable] = {}
 
-    def register(self, name: str) -> Callable[[Callable], Callable]:
-        """Decorator: `@ESTIMATORS.register("rloo")` adds the function under `name`, as is."""
+    def register(self, name: str, *,
+                 needs: tuple[str, ...] = ()) -> Callable[[Callable], Callable]:
+        """Decorator: `@ESTIMATORS.register("rloo")` adds the function under `name`, as is.
+
+        needs: the optional inputs the function reads (an estimator's `("greedy_rewards",)`),
+        stored on it as `fn.needs`, so the caller computes them only for the functions that
+        read them. A function registered by import path declares them the same way, as a
+        `needs` attribute."""
         if not isinstance(name, str) or not name or ":" in name:
             raise ValueError(f"a {self.kind} name must be a non-empty string without ':', "
                              f"got {name!r}")
@@ -39,6 +45,8 @@ class Registry(Mapping):
                 raise ValueError(f"{self.kind} {name!r} is already registered "
                                  f"({self._fns[name].__module__}.{self._fns[name].__name__})")
             self._check_signature(fn, f"{self.kind} {name!r}")
+            if needs:
+                fn.needs = tuple(needs)
             self._fns[name] = fn
             return fn
 
@@ -82,14 +90,24 @@ class Registry(Mapping):
         star = ("*, " + ", ".join(self.keywords),) if self.keywords else ()
         return f"({', '.join((*self.params, *star))})"
 
-    def describe(self) -> str:
-        """One line for --help: each name with its docstring's opening up to the first ': '
-        (by convention what it is and its paper, "Dr. GRPO (Liu et al., 2025): ...")."""
+    def needs(self, name: str) -> tuple[str, ...]:
+        """The optional inputs the function `name` (or import path) declares it reads."""
+        return tuple(getattr(self.resolve(name), "needs", ()))
+
+    def titles(self) -> dict[str, str]:
+        """Each name -> its docstring's opening up to the first ': ' (by convention what it is
+        and its paper, "Dr. GRPO (Liu et al., 2025): ...")."""
         def title(fn: Callable) -> str:
             doc = " ".join((inspect.getdoc(fn) or "").split("\n\n")[0].split())
             return doc.split(": ")[0] if ": " in doc else doc
-        return "; ".join(f"{name}: {title(fn)}" if title(fn) else name
-                         for name, fn in self._fns.items()) + "; or package.module:function"
+        return {name: title(fn) for name, fn in self._fns.items()}
+
+    def describe(self, sep: str = "; ") -> str:
+        """Each name with its title (`titles`), joined by `sep`: one line for an error, or
+        one line each for --help with sep="\n"."""
+        return sep.join([f"{name}: {title}" if title else name
+                         for name, title in self.titles().items()] +
+                        ["or package.module:function"])
 
     def __getitem__(self, name: str) -> Callable:
         return self._fns[name]

@@ -321,6 +321,26 @@ def score(spec, rows: Sequence, completions: Sequence[str], step_seed: int) -> l
     return values
 
 
+def score_terms(spec, rows: Sequence, completions: Sequence[str],
+                step_seed: int) -> tuple[list[list[float]], list[float]]:
+    """Each term of `spec` scored on its own: (scores (N, K) as rows of K floats, weights
+    (K,)), so that sum_k w_k scores[i][k] is `score`'s reward i (up to float rounding). A
+    spec of one term gives K = 1. For estimators that normalise each term (gdpo)."""
+    text = spec_text(spec)
+    columns = reward_columns(rows, completions, step_seed)
+    columns_of_terms, weights = [], []
+    for term in parse(text):
+        fn = _one(term, FIELD)
+        name = getattr(fn, "__name__", term.name)
+        values = check_rewards(fn(**columns), name)
+        if len(values) != len(completions):
+            raise RewardError(f"reward {name} returned {len(values)} rewards for "
+                              f"{len(completions)} completions")
+        columns_of_terms.append(values)
+        weights.append(term.weight)
+    return [list(v) for v in zip(*columns_of_terms)], weights
+
+
 class RewardSpecs:
     """What the config's `reward` may name, in the place of a registry (`fields.choice`):
     `resolve` builds a spec, `describe` lists the choices for --help."""
@@ -328,13 +348,13 @@ class RewardSpecs:
     def resolve(self, spec, field: str | None = None) -> RewardFn:
         return build(spec, field or FIELD)
 
-    def describe(self) -> str:
-        wrapped = "; ".join(f"{example(name)}: {w.title}" for name, w in WRAPPERS.items())
-        return (f"{REWARDS.describe()}; {wrapped}; and weighted sums of these, e.g. "
+    def describe(self, sep: str = "; ") -> str:
+        wrapped = sep.join(f"{example(name)}: {w.title}" for name, w in WRAPPERS.items())
+        return (f"{REWARDS.describe(sep)}{sep}{wrapped}{sep}and weighted sums of these, e.g. "
                 "correctness+0.3*format")
 
 
 REWARD_SPECS = RewardSpecs()
 
 __all__ = ["noisy", "WRAPPERS", "Wrapper", "Term", "parse", "spec_text", "build",
-           "reward_columns", "score", "RewardSpecs", "REWARD_SPECS", "example"]
+           "reward_columns", "score", "score_terms", "RewardSpecs", "REWARD_SPECS", "example"]

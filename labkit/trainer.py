@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 
 from labkit import metrics as M
 from labkit import reward_specs, rundir, stops
-from labkit.advantages import NonFiniteError
+from labkit.advantages import ESTIMATORS, NonFiniteError
 from labkit.algos import Learner, StepOutput, grpo_step, ppo_step
 from labkit.config import TrainConfig, preflight
 from labkit.diagnose import RunDiagnostics
@@ -115,6 +115,34 @@ def _memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
+def estimator_extras(config, learner, tokenizer, problems, batch, step_seed: int) -> dict:
+    """What `config.estimator` declares it needs beyond the rewards, computed only for it:
+    `components` (N, K) and `component_weights` (K,), the reward's terms scored one by one;
+    `greedy_rewards` (N,), the reward of one greedy completion per prompt (an extra rollout of
+    B rows), repeated over the prompt's G rows. PPO's `values` come from its step."""
+    needs = ESTIMATORS.needs(config.estimator)
+    device, G, out = learner.accelerator.device, config.group_size, {}
+    if "components" in needs:
+        rows = [p for p in problems for _ in range(G)]
+        scores, weights = reward_specs.score_terms(config.reward, rows, batch.texts, step_seed)
+        parts = torch.tensor(scores, device=device)  # (N, K)
+        if not config.score_truncated:
+            parts = parts.masked_fill(batch.truncated[:, None], 0.0)
+        out |= {"components": parts, "component_weights": torch.tensor(weights)}
+    if "greedy_rewards" in needs:
+        policy = learner.accelerator.unwrap_model(learner.policy)
+        with torch.inference_mode(), learner.accelerator.autocast():
+            greedy = rollout(policy, tokenizer, [p.prompt for p in problems], group_size=1,
+                             max_new_tokens=config.max_new_tokens, greedy=True,
+                             decoder=learner.passes.decoder)
+        scores = torch.tensor(reward_specs.score(config.reward, list(problems), greedy.texts,
+                                                 step_seed), device=device)
+        if not config.score_truncated:
+            scores = scores.masked_fill(greedy.truncated, 0.0)
+        out["greedy_rewards"] = scores.repeat_interleave(G)  # (N,)
+    return out
+
+
 def _one_step(config, learner, tokenizer, problems, step: int, step_seed: int) -> StepResult:
     """Rollout, reward, update and metrics of step `step` on `problems`."""
     device = learner.accelerator.device
@@ -135,8 +163,9 @@ def _one_step(config, learner, tokenizer, problems, step: int, step_seed: int) -
                            device=device)
     if not config.score_truncated:
         rewards = rewards.masked_fill(batch.truncated, 0.0)
+    extras = estimator_extras(config, learner, tokenizer, problems, batch, step_seed)
     t1 = time.perf_counter()
-    out: StepOutput = step_fn(config, learner, batch, rewards, step_seed)
+    out: StepOutput = step_fn(config, learner, batch, rewards, step_seed, extras)
     t2 = time.perf_counter()
     tokens = int(batch.completion_mask.sum())
     extra = {**out.stats, "perf/rollout_s": t1 - t0, "perf/update_s": t2 - t1,

@@ -1,6 +1,7 @@
 """Advantages against plain reference loops over Python floats, plus edge cases and properties."""
 
 import math
+import re
 
 import pytest
 import torch
@@ -341,10 +342,156 @@ def test_property_token_level_finite(data, n, t_len, scale, gamma, lam):
 # ------------------------------------------------------------------ the estimator registry
 
 def test_the_estimator_registry_lists_each_estimator_with_its_paper():
-    assert list(adv.ESTIMATORS) == ["grpo", "dr_grpo", "rloo"]
-    assert adv.ESTIMATORS["rloo"] is adv.rloo
-    text = adv.ESTIMATORS.describe()
-    assert all(p in text for p in ("DeepSeekMath", "Dr. GRPO", "Ahmadian", "package.module"))
+    names = ["grpo", "dr_grpo", "rloo", "none", "reinforce++", "reinforce++-baseline", "remax",
+             "opo", "gpg", "grpo_passk", "gdpo", "max_rl", "gae"]
+    assert list(adv.ESTIMATORS) == names
+    assert adv.ESTIMATORS["rloo"] is adv.rloo_estimator
+    titles = adv.ESTIMATORS.titles()
+    assert all(re.search(r"\(.*\d{4}", titles[n]) for n in names), titles  # a paper and year
+    assert adv.ESTIMATORS.needs("remax") == ("greedy_rewards",)
+    assert adv.ESTIMATORS.needs("gae") == ("values",) and adv.ESTIMATORS.needs("grpo") == ()
+    assert "package.module" in adv.ESTIMATORS.describe()
+
+
+# ------------------------------------------------------------------ the registered estimators
+
+def _groups(rewards, g):
+    return [rewards[b * g:(b + 1) * g] for b in range(len(rewards) // g)]
+
+
+def ref_returns(rewards_last, mask, gamma):
+    """Per-token discounted returns of a reward on each row's last real token (loops)."""
+    out = []
+    for r, row in zip(rewards_last, mask):
+        idx = [t for t, m in enumerate(row) if m]
+        line = [0.0] * len(row)
+        for k, t in enumerate(idx):
+            line[t] = r * gamma ** (len(idx) - 1 - k)
+        out.append(line)
+    return out
+
+
+def ref_registered(name, r, g, mask, eps=1e-4, gamma=1.0, greedy=None, parts=None,
+                   weights=None):
+    """Plain-Python advantages of each registered estimator, per token (N x T lists)."""
+    def spread(a):
+        return [[ai if m else 0.0 for m in row] for ai, row in zip(a, mask)]
+
+    def whitened(x):
+        return ref_whiten(x, mask, 1e-8, True, True)
+
+    lengths = [sum(1 for m in row if m) for row in mask]
+    if name == "none":
+        return spread(r)
+    if name == "reinforce++":
+        return whitened(ref_returns(r, mask, gamma))
+    if name == "reinforce++-baseline":
+        return whitened(spread(ref_grpo(r, g, "none", 0.0, True)))
+    if name == "remax":
+        return spread([ri - bi for ri, bi in zip(r, greedy)])
+    if name == "opo":
+        out = []
+        for b, group in enumerate(_groups(r, g)):
+            ls = lengths[b * g:(b + 1) * g]
+            base = sum(li * ri for li, ri in zip(ls, group)) / sum(ls)
+            out += [ri - base for ri in group]
+        return spread(out)
+    if name == "gpg":
+        alpha = len(r) / max(sum(1 for x in r if x != 0), 1)
+        return spread([alpha * a for a in ref_grpo(r, g, "none", 0.0, True)])
+    if name == "grpo_passk":
+        out = []
+        for group in _groups(r, g):
+            top = sorted(group, reverse=True)
+            best = group.index(top[0])
+            gap = (top[0] - top[1]) / (ref_std(group, True) + eps)
+            out += [gap if i == best else 0.0 for i in range(g)]
+        return spread(out)
+    if name == "gdpo":
+        total = [0.0] * len(r)
+        for k, w in enumerate(weights):
+            a = ref_grpo([p[k] for p in parts], g, "group", eps, True)
+            total = [x + w * y for x, y in zip(total, a)]
+        return whitened(spread(total))
+    if name == "max_rl":
+        out = []
+        for group in _groups(r, g):
+            mu = ref_mean(group)
+            out += [(ri - mu) / mu if mu > 0 else 0.0 for ri in group]
+        return spread(out)
+    raise AssertionError(name)
+
+
+REGISTERED = ["none", "reinforce++", "reinforce++-baseline", "remax", "opo", "gpg",
+              "grpo_passk", "gdpo", "max_rl"]
+
+
+@pytest.mark.parametrize("gamma", [1.0, 0.8])
+@pytest.mark.parametrize("name", REGISTERED)
+def test_registered_estimators_match_loops(name, gamma):
+    """Each registered estimator, through `ESTIMATORS[name](AdvantageInputs)`, against its
+    formula written as plain loops, in float64 on right-padded rows of random lengths."""
+    gen = torch.Generator().manual_seed(5)
+    g, n, t_len = 4, 16, 6
+    lengths = torch.randint(1, t_len + 1, (n,), generator=gen)
+    mask = (torch.arange(t_len)[None] < lengths[:, None]).int()
+    r = torch.rand(n, generator=gen, dtype=torch.float64) * 3  # >= 0 for max_rl
+    greedy = torch.rand(n, generator=gen, dtype=torch.float64)
+    parts = torch.stack([(r > 1.5).double(), torch.rand(n, generator=gen, dtype=torch.float64)],
+                        1)
+    weights = [1.0, 0.3]
+    x = adv.AdvantageInputs(r, g, mask=mask, gamma=gamma, eps=1e-4,
+                            components=parts,
+                            component_weights=torch.tensor(weights, dtype=torch.float64),
+                            extras={"greedy_rewards": greedy})
+    got = adv.ESTIMATORS[name](x)
+    if got.dim() == 1:
+        got = adv.to_tokens(got, mask)
+    want = ref_registered(name, r.tolist(), g, mask.tolist(), eps=1e-4, gamma=gamma,
+                          greedy=greedy.tolist(), parts=parts.tolist(), weights=weights)
+    torch.testing.assert_close(got, torch.tensor(want, dtype=torch.float64), rtol=1e-10,
+                               atol=1e-10)
+
+
+def test_per_token_estimators_are_per_token_only_when_gamma_discounts():
+    """reinforce++ with gamma < 1 weighs earlier tokens less; with gamma = 1 every token of a
+    row has the same advantage (the shape a reader may not expect of a per-token estimator)."""
+    r = torch.tensor([1.0, 0.0, 1.0, 0.0])
+    mask = torch.ones(4, 3)
+    flat = adv.ESTIMATORS["reinforce++"](adv.AdvantageInputs(r, 2, mask=mask))
+    assert torch.equal(flat, flat[:, :1].expand_as(flat))
+    discounted = adv.ESTIMATORS["reinforce++"](adv.AdvantageInputs(r, 2, mask=mask, gamma=0.5))
+    assert discounted[0, 0] < discounted[0, 1] < discounted[0, 2]
+
+
+@pytest.mark.parametrize("name, fields, words", [
+    ("remax", {}, ["'remax' needs inputs.extras['greedy_rewards']"]),
+    ("remax", {"extras": {"greedy_rewards": torch.zeros(3)}}, ["greedy_rewards must be (N,)"]),
+    ("opo", {"mask": None}, ["'lengths' works per token", "inputs.mask"]),
+    ("reinforce++", {"mask": None}, ["'reinforce++' works per token"]),
+    ("reinforce++", {"gamma": 1.5}, ["gamma must be in [0, 1]"]),
+    ("max_rl", {"rewards": torch.tensor([1.0, -1.0, 0.0, 0.0])}, ["rewards must be >= 0"]),
+    ("gdpo", {"components": torch.zeros(4, 2), "component_weights": torch.ones(3)},
+     ["component_weights must be (K,) = (2,)"]),
+    ("gae", {}, ["'gae' needs inputs.extras['values']"]),
+])
+def test_registered_estimators_name_what_is_missing(name, fields, words):
+    base = dict(rewards=torch.tensor([1.0, 0.0, 1.0, 1.0]), group_size=2,
+                mask=torch.ones(4, 3))
+    with pytest.raises(ValueError) as e:
+        adv.ESTIMATORS[name](adv.AdvantageInputs(**(base | fields)))
+    assert all(w in str(e.value) for w in words), str(e.value)
+
+
+def test_equal_groups_give_zero_for_every_group_estimator():
+    """A group whose rewards are all equal carries no signal: every group-baseline estimator
+    gives it exactly 0 (reinforce++ and none have no group baseline and are left out)."""
+    r = torch.tensor([0.7] * 4 + [1.0, 0.0, 0.0, 1.0])
+    x = adv.AdvantageInputs(r, 4, mask=torch.ones(8, 2), components=r[:, None],
+                            extras={"greedy_rewards": r.clone()})
+    for name in ["grpo", "dr_grpo", "rloo", "opo", "gpg", "grpo_passk", "max_rl", "remax"]:
+        out = adv.ESTIMATORS[name](x)
+        assert torch.equal(out[:4], torch.zeros(4)), name
 
 
 @pytest.mark.parametrize("fields", [dict(estimator="grpo", scale="batch", std_unbiased=False),
@@ -366,9 +513,9 @@ def test_a_new_estimator_is_one_decorated_function():
     from labkit.config import TrainConfig
 
     @adv.ESTIMATORS.register("half_rloo_for_test")
-    def half_rloo(rewards, group_size, **options):
+    def half_rloo(inputs):
         """Half of RLOO (a test's own estimator): A_i = rloo_i / 2."""
-        return adv.rloo(rewards, group_size) / 2
+        return adv.rloo(inputs.rewards, inputs.group_size) / 2
 
     assert "half_rloo_for_test: Half of RLOO" in adv.ESTIMATORS.describe()
     r = torch.tensor([1.0, 0.0, 0.0, 1.0])
@@ -376,13 +523,13 @@ def test_a_new_estimator_is_one_decorated_function():
     assert torch.equal(group_advantages(config, r), adv.rloo(r, 4) / 2)
     with pytest.raises(ValueError, match="'half_rloo_for_test' is already registered"):
         adv.ESTIMATORS.register("half_rloo_for_test")(half_rloo)
-    with pytest.raises(ValueError, match=r"signature \(rewards, group_size, \*, scale, unb"):
+    with pytest.raises(ValueError, match=r"signature \(inputs\)"):
         adv.ESTIMATORS.register("no_options_for_test")(lambda rewards, group_size: rewards)
     assert "no_options_for_test" not in adv.ESTIMATORS
 
 
 def test_an_estimator_by_import_path_and_a_bad_name():
-    assert adv.ESTIMATORS.resolve("labkit.advantages:dr_grpo") is adv.dr_grpo
+    assert adv.ESTIMATORS.resolve("labkit.advantages:rloo_estimator") is adv.rloo_estimator
     with pytest.raises(ValueError, match=r"^estimator must be one of \['grpo', 'dr_grpo', "
                                          r"'rloo'.*'package.module:function', got 'ppo'$"):
         adv.ESTIMATORS.resolve("ppo", "estimator")

@@ -57,10 +57,16 @@ def test_train_help_lists_each_registry_and_literal_choice(capsys):
     assert text.count("package.module:function") >= 3
 
 
-def test_train_rejects_an_unknown_estimator_before_any_run(tmp_path):
-    done = run("train", "--estimator", "gae", "--run-dir", str(tmp_path / "run"))
+@pytest.mark.parametrize("args, words", [
+    (["--estimator", "ppo"], ["estimator must be one of ['grpo', 'dr_grpo', 'rloo', 'none'"]),
+    (["--estimator", "gae"], ["estimator='gae' reads a critic's values", "algo='ppo'"]),
+    (["--algo", "ppo", "--estimator", "rloo"], ["estimator='rloo' needs no critic",
+                                                "algo='grpo'"]),
+])
+def test_train_rejects_an_unknown_or_misplaced_estimator_before_any_run(tmp_path, args, words):
+    done = run("train", *args, "--run-dir", str(tmp_path / "run"))
     assert done.returncode == 2 and "Traceback" not in done.stderr
-    assert "estimator must be one of ['grpo', 'dr_grpo', 'rloo']" in done.stderr
+    assert all(w in done.stderr for w in words), done.stderr
     assert not (tmp_path / "run").exists()
 
 

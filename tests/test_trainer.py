@@ -400,3 +400,33 @@ def test_a_dead_spell_shorter_than_k_does_not_stop_the_run(tmp_path):
     assert result.steps == 5 and result.stopped is None and result.summary()["dead_run"] is None
     _REWARD_CALLS.clear()  # the same spell is a dead run when K is 2
     assert train(TrainConfig(run_dir=str(tmp_path / "k2"), dead_steps=2, **settings)).steps == 2
+
+
+@pytest.mark.parametrize("estimator", ["none", "reinforce++", "reinforce++-baseline", "remax",
+                                       "opo", "gpg", "grpo_passk", "gdpo", "max_rl"])
+def test_every_group_estimator_trains_a_step(estimator):
+    """A Trainer step with each registered critic-free estimator: the advantages the step
+    used are the estimator's on the step's rewards, mask and extras, and the update is finite."""
+    from labkit.advantages import ESTIMATORS
+    from labkit.algos import advantage_inputs
+    from labkit.trainer import Trainer, estimator_extras
+
+    config = TrainConfig(estimator=estimator, reward="correctness+0.5*format", **STEP)
+    trainer, before = Trainer(config), Trainer(config)  # `before`: the policy the step saw
+    problems = trainer.problems.draw(1234)
+    result = trainer.step(1, problems)
+    assert math.isfinite(result.metrics["loss/total"])
+    extras = estimator_extras(config, before.learner, before.tokenizer, problems,
+                              result.batch, result.seed)
+    assert set(extras) == {"components": {"components", "component_weights"},
+                           "greedy_rewards": {"greedy_rewards"}}.get(
+                               next(iter(ESTIMATORS.needs(estimator)), None), set())
+    if "components" in extras:  # the terms, weighted, are the reward
+        total = extras["components"] @ extras["component_weights"]
+        torch.testing.assert_close(total, result.rewards)
+    if "greedy_rewards" in extras:  # one greedy completion per prompt, its reward G times
+        assert torch.equal(extras["greedy_rewards"].view(-1, config.group_size).amin(1),
+                           extras["greedy_rewards"].view(-1, config.group_size).amax(1))
+    want = ESTIMATORS[estimator](advantage_inputs(config, result.rewards,
+                                                  result.batch.completion_mask, extras=extras))
+    assert torch.equal(result.advantages, want)

@@ -15,7 +15,8 @@ def live_controls(live, *, run_dir: str | Path, estimator: str, group_size: int,
     `live`, re-runs `live_training` with the chosen values and rewrites the outputs."""
     import ipywidgets as w
 
-    est = w.Dropdown(options=tuple(ESTIMATORS), value=estimator, description="estimator")
+    critic_free = tuple(n for n in ESTIMATORS if "values" not in ESTIMATORS.needs(n))
+    est = w.Dropdown(options=critic_free, value=estimator, description="estimator")
     sizes = sorted({2, 4, 8, 16, group_size})
     G = w.Dropdown(options=sizes, value=group_size, description="G")
     n = w.IntSlider(value=steps, min=1, max=max(200, steps), description="steps")
