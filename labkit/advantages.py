@@ -408,8 +408,8 @@ def _discounted_returns(token_rewards: Tensor, m: Tensor, gamma: float) -> Tenso
 @ESTIMATORS.register("reinforce++")
 def reinforce_pp(x: AdvantageInputs) -> Tensor:
     """REINFORCE++, batch-whitened discounted returns (Hu, 2025; verl reinforce_plus_plus):
-    per-token discounted returns of the token rewards, whitened over the batch's real tokens (`whiten`): a global baseline and
-    scale, no group. gamma = `x.gamma`. (N, T)
+    per-token discounted returns of the token rewards, whitened over the batch's real tokens
+    (`whiten`): a global baseline and scale, no group. gamma = `x.gamma`. (N, T)
 
     The batch statistics weigh each token, so long completions weigh more than short ones."""
     if not 0.0 <= x.gamma <= 1.0:
@@ -443,9 +443,10 @@ def remax(x: AdvantageInputs) -> Tensor:
 
 @ESTIMATORS.register("opo")
 def opo(x: AdvantageInputs) -> Tensor:
-    """OPO, a length-weighted group baseline (Hao et al., 2025): A_i = r_i - sum_g(L_j r_j) / sum_g L_j, the baseline the
-    group's rewards weighted by completion length L (the optimal baseline when the gradient's
-    norm grows with length). A group of empty completions falls back to the plain mean. (N,)"""
+    """OPO, a length-weighted group baseline (Hao et al., 2025): A_i = r_i - sum_g(L_j r_j) / sum_g
+    L_j, the baseline the group's rewards weighted by completion length L (the optimal baseline
+    when the gradient's norm grows with length). A group of empty completions falls back to the
+    plain mean. (N,)"""
     r = _grouped(x.rewards, x.group_size, "opo")  # (B, G)
     length = x.lengths.to(r.dtype).view_as(r)  # (B, G)
     total = length.sum(1, keepdim=True)
@@ -457,9 +458,9 @@ def opo(x: AdvantageInputs) -> Tensor:
 
 @ESTIMATORS.register("gpg")
 def gpg(x: AdvantageInputs) -> Tensor:
-    """GPG, the group mean, scaled by N over the rewarded rows (Chu et al., 2025): A_i = alpha (r_i - mean_g r), alpha = N / (rows with a nonzero
-    reward), as verl computes it: the fewer completions carry signal, the larger each step on
-    them. (N,)"""
+    """GPG, the group mean, scaled by N over the rewarded rows (Chu et al., 2025): A_i = alpha (r_i
+    - mean_g r), alpha = N / (rows with a nonzero reward), as verl computes it: the fewer
+    completions carry signal, the larger each step on them. (N,)"""
     r = _grouped(x.rewards, x.group_size, "gpg").reshape(-1)
     alpha = r.numel() / max(int(torch.count_nonzero(r)), 1)
     return alpha * dr_grpo(r, x.group_size)
@@ -485,9 +486,10 @@ def grpo_passk(x: AdvantageInputs) -> Tensor:
 
 @ESTIMATORS.register("gdpo", needs=("components",))
 def gdpo(x: AdvantageInputs) -> Tensor:
-    """GDPO, each reward term normalised on its own (arXiv 2601.05242; verl gdpo): each term normalised within its group on its own (GRPO's
-    z-score with `x.scale`), the weighted sum of these, whitened over the batch's tokens; a
-    frequent term no longer drowns a rare one. Needs `components` (N, K). (N, T)"""
+    """GDPO, each reward term normalised on its own (arXiv 2601.05242; verl gdpo): A = whiten(
+    sum_k w_k z_k), z_k the GRPO z-score (with `x.scale`) of term k within its group, whitened
+    over the batch's tokens; a frequent term no longer drowns a rare one. Needs `components`
+    (N, K). (N, T)"""
     m = x.token_mask("gdpo")
     parts = as_float(x.components if x.components is not None else x.rewards[:, None])
     if parts.dim() != 2 or parts.shape[0] != m.shape[0]:
@@ -505,8 +507,8 @@ def gdpo(x: AdvantageInputs) -> Tensor:
 
 @ESTIMATORS.register("max_rl")
 def max_rl(x: AdvantageInputs) -> Tensor:
-    """MaxRL, the group mean as baseline and scale (Tajwar et al., 2026): A_i = (r_i - mean_g r) / mean_g r, the group mean as both
-    baseline and scale, which weighs a prompt by 1/(its pass rate) as maximum likelihood does.
+    """MaxRL, the group mean as baseline and scale (Tajwar et al., 2026): A_i = (r_i - mean_g
+    r) / mean_g r, which weighs a prompt by 1 / (its pass rate), as maximum likelihood does.
     Rewards must be >= 0; a group of zeros gives 0. (N,)"""
     r = _grouped(x.rewards, x.group_size, "max_rl")
     if (r < 0).any():
@@ -520,9 +522,9 @@ def max_rl(x: AdvantageInputs) -> Tensor:
 
 @ESTIMATORS.register("gae", needs=("values",))
 def gae_estimator(x: AdvantageInputs) -> Tensor:
-    """GAE, a critic's values and TD errors, PPO's (Schulman et al., 2016): a critic's values (N, T) turn the token rewards into
-    per-token advantages, whitened over the batch when `x.whiten`; see `ppo_advantages`.
-    Needs `values`, so only PPO (a critic) can use it. (N, T)"""
+    """GAE, a critic's values and TD errors, PPO's (Schulman et al., 2016): the critic's values
+    `(N, T)` turn the token rewards into per-token advantages, whitened over the batch when
+    `x.whiten`; see `ppo_advantages`. Needs `values`, so only PPO (a critic) can use it. (N, T)"""
     values = x.need("values", "gae")
     a, _ = ppo_advantages(_token_rewards(x), values, x.token_mask("gae"), gamma=x.gamma,
                           lam=x.lam, whiten_advantages=x.whiten)

@@ -19,6 +19,7 @@ from torch import Tensor
 from labkit import advantages as adv
 from labkit import losses
 from labkit.config import TrainConfig
+from labkit.loss_modes import policy_loss_mode
 from labkit.metrics import masked_mean
 from labkit.rollout import RolloutBatch
 from labkit.scoring import FAST_PASSES, Passes, token_logprobs, token_values
@@ -98,9 +99,12 @@ def _micro_batches(config: TrainConfig, rows: Tensor, step_seed: int):
 
 def _share(config: TrainConfig, mask: Tensor, micro: Tensor, minibatch: Tensor) -> float:
     """The weight of a micro-batch's aggregated loss in its minibatch's: its token share for
-    token-mean, its row share otherwise, so accumulation equals one pass over the minibatch."""
+    token-mean, 1 for token-sum (sums add up), its row share otherwise, so accumulation
+    equals one pass over the minibatch."""
     if config.agg == "token-mean":
         return mask[micro].sum().item() / max(mask[minibatch].sum().item(), 1)
+    if config.agg == "token-sum":
+        return 1.0
     return len(micro) / len(minibatch)
 
 
@@ -116,7 +120,8 @@ def _optimizer_step(learner: Learner, parameters, optimizer, scheduler, max_norm
 
 def policy_terms(config: TrainConfig, learner: Learner, batch: RolloutBatch, micro: Tensor,
                  advantages: Tensor, ref_logp: Tensor | None) -> tuple[Tensor, dict]:
-    """The policy's loss on rows `micro`: clipped surrogate (or REINFORCE) + beta KL - entropy."""
+    """The policy's loss on rows `micro`: the loss mode `config.loss` (the clipped surrogate
+    by default; REINFORCE with `reinforce`) + beta KL - entropy."""
     want_entropy_grad = config.entropy_coef > 0
     logp, ent = token_logprobs(learner.policy, batch, micro, temperature=config.temperature,
                                with_entropy=True, entropy_grad=want_entropy_grad,
@@ -128,11 +133,12 @@ def policy_terms(config: TrainConfig, learner: Learner, batch: RolloutBatch, mic
         A_t = A if A.dim() == 2 else A[:, None].expand_as(logp)
         pg, stats = losses.aggregate(-A_t * logp, mask, **agg), {}
     else:
-        pg, stats = losses.policy_loss(logp, batch.old_logprobs[micro], A, mask,
-                                       eps_low=config.eps_low, eps_high=config.eps_high,
-                                       dual_clip=config.dual_clip, level=config.ratio_level,
-                                       **agg)
-        stats["clip/total"] = stats["clip/low"] + stats["clip/high"]  # disjoint: A < 0, A > 0
+        pg, stats = policy_loss_mode(config.loss, logp, batch.old_logprobs[micro], A, mask,
+                                     eps_low=config.eps_low, eps_high=config.eps_high,
+                                     dual_clip=config.dual_clip, level=config.ratio_level,
+                                     **agg)
+        if "clip/low" in stats and "clip/high" in stats:  # disjoint: A < 0, A > 0
+            stats["clip/total"] = stats["clip/low"] + stats["clip/high"]
     total = pg
     stats = {**stats, "loss/policy": pg.item(), "policy/entropy": masked_mean(ent, mask)}
     if ref_logp is not None and config.algo == "grpo":

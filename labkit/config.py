@@ -21,6 +21,7 @@ from typing import Literal
 from labkit import stops
 from labkit.advantages import ESTIMATORS, NEEDS, Scale
 from labkit.fields import base_types, bounded, check, choice, choices, docs
+from labkit.loss_modes import LOSS_SPECS
 from labkit.losses import AGG_MODES, Level
 from labkit.models import EMBEDDED, SCRATCHPAD_NAME
 from labkit.reward_specs import REWARD_SPECS, spec_text
@@ -97,6 +98,10 @@ class TrainConfig:
     """grpo: divide by the group's std, the batch's std, or nothing."""
     std_unbiased: bool = True
     """grpo: the std divides by G-1 (torch, TRL) rather than G."""
+    loss: str = choice("vanilla", LOSS_SPECS)
+    """Policy-loss mode, a name of labkit.loss_modes.POLICY_LOSSES with its options:
+    sapo(tau_pos=1.0, tau_neg=1.05). eps_low and eps_high are each mode's bounds; dual_clip
+    and ratio_level apply to vanilla."""
     agg: str = choice("token-mean", AGG_MODES)
     """How per-token losses become one number, a name of labkit.losses.AGG_MODES."""
     eps_low: float = bounded(0.2, ge=0, lt=1)
@@ -255,6 +260,11 @@ class TrainConfig:
         if self.reinforce and (self.num_iterations != 1 or self.minibatches != 1):
             raise ValueError("reinforce=True is one on-policy update per batch: it needs "
                              "num_iterations=1 and minibatches=1")
+        if self.loss != "vanilla" and (self.reinforce or self.dual_clip is not None
+                                       or self.ratio_level != "token"):
+            raise ValueError(f"loss={self.loss!r} is its own objective: reinforce, dual_clip "
+                             "and ratio_level='sequence' apply to loss='vanilla' (or take "
+                             "loss='gpg', 'dual_clip' or 'gspo')")
         if self.reinforce and self.algo != "grpo":
             raise ValueError("reinforce applies to algo='grpo' (group baselines), not ppo")
         self._check_estimator()

@@ -66,6 +66,13 @@ def seq_mean_token_sum_norm(masked: Tensor, mask: Tensor, *,
     return masked.sum(1).sum() / max(n_rows * max_len, 1)
 
 
+@AGG_MODES.register("token-sum")
+def token_sum(masked: Tensor, mask: Tensor, *, max_len: int | None = None) -> Tensor:
+    """Token sum (verl loss_agg_mode="token-sum"): sum_{i,t} l, no normalisation, so the
+    step grows with the batch's tokens; pair it with a smaller learning rate."""
+    return masked.sum()
+
+
 def _up(x: Tensor) -> Tensor:
     """At least fp32, keeping the graph (unlike `checks.as_float`, which detaches)."""
     return x if x.dtype == torch.float64 else x.float()
@@ -116,6 +123,17 @@ def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor
     """
     _check_clip(level, eps_low, eps_high, dual_clip)
     lp, old, a, m = _surrogate_inputs(logp, old_logp, advantages, mask)
+    per_token, stats = clipped_surrogate(lp, old, a, m, eps_low=eps_low, eps_high=eps_high,
+                                         dual_clip=dual_clip, level=level)
+    return aggregate(per_token, m, agg, max_len=max_len), stats
+
+
+def clipped_surrogate(lp: Tensor, old: Tensor, a: Tensor, m: Tensor, *, eps_low: float,
+                      eps_high: float, dual_clip: float | None = None,
+                      level: Level = "token") -> tuple[Tensor, dict[str, float]]:
+    """`policy_loss` before aggregation: the per-token loss `(N, T)` and the stats, from
+    prepared inputs (`_surrogate_inputs`: one dtype, advantages `(N, T)` and 0 on padding, a
+    bool mask). The loss modes of `labkit.loss_modes` build on it."""
     zero = torch.zeros((), dtype=lp.dtype, device=lp.device)
     # padding may hold -inf log-probs; its log-ratio is set to 0 before exp
     log_ratio = torch.where(m, lp - old, zero)  # (N, T)
@@ -130,8 +148,7 @@ def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor
         cap = -dual_clip * a
         dual = (a < 0) & (per_token > cap)
         per_token = torch.where(dual, cap, per_token)
-    loss = aggregate(per_token, m, agg, max_len=max_len)
-    return loss, _clip_stats(ratio.detach(), a, m, dual, eps_low, eps_high)
+    return per_token, _clip_stats(ratio.detach(), a, m, dual, eps_low, eps_high)
 
 
 def _check_clip(level: str, eps_low: float, eps_high: float, dual_clip: float | None) -> None:

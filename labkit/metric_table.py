@@ -33,10 +33,10 @@ METRICS: dict[str, str] = {
         "advantages within a group (divides by G), averaged over groups",
     "clip/low":
         "fraction of unmasked tokens with ratio < 1 - eps_low and A < 0: the low clip is active, "
-        "the gradient is cut",
+        "the gradient is cut (loss geo_mean: log-ratio < -eps_low)",
     "clip/high":
         "fraction of unmasked tokens with ratio > 1 + eps_high and A > 0: the high clip is "
-        "active, the gradient is cut",
+        "active, the gradient is cut (loss geo_mean: log-ratio > eps_high)",
     "clip/total":
         "clip/low + clip/high: the token-level clip ratio (TLCR); in training each clip/* is the "
         "mean over the step's optimizer steps, all num_iterations passes",
@@ -46,6 +46,18 @@ METRICS: dict[str, str] = {
         "clip/total over the passes after the first, where the ratio can differ from 1 (on the "
         "first pass it is 1 and nothing clips); num_iterations >= 2 only",
     "clip/dual": "fraction of unmasked tokens with A < 0 whose loss the dual clip caps at -c * A",
+    "clip/weight":
+        "loss cispo: fraction of unmasked tokens whose importance weight was clipped to "
+        "[1 - eps_low, 1 + eps_high] (either side, any advantage)",
+    "clip/cov":
+        "loss clip_cov / kl_cov: fraction of unmasked tokens taken out of the gradient / given "
+        "the KL penalty for their high covariance of advantage and log-prob",
+    "clip/trust":
+        "loss dppo_tv / dppo_kl: fraction of unmasked tokens outside the trust region (no "
+        "gradient)",
+    "clip/truncated":
+        "loss dppo_tv / dppo_kl: fraction of unmasked tokens in the region whose weight "
+        "min(ratio, clip_c) was truncated",
     "ratio/mean": "mean importance ratio exp(logp - old_logp) over unmasked tokens",
     "ratio/max": "largest importance ratio exp(logp - old_logp) over unmasked tokens",
     "policy/kl":

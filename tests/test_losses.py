@@ -40,6 +40,8 @@ def ref_weights(mask, agg, max_len=None):
             w = 1.0 / (n * ti) if ti else 0.0
         elif agg == "seq-mean-token-sum":
             w = 1.0 / n
+        elif agg == "token-sum":
+            w = 1.0
         else:
             w = 1.0 / (n * (max_len or t_len))
         out.append([w if m else 0.0 for m in row])
@@ -512,7 +514,7 @@ def test_property_grpo_into_policy_loss(vals, scale):
 
 def test_the_aggregation_registry_lists_the_modes_with_their_papers():
     assert AGGS == ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
-                    "seq-mean-token-sum-norm")
+                    "seq-mean-token-sum-norm", "token-sum")
     text = L.AGG_MODES.describe()
     assert all(p in text for p in ("DAPO", "DeepSeekMath", "Dr. GRPO"))
 

@@ -290,3 +290,49 @@ def test_grpo_advantages_match_trl(scale, tmp_path):
     assert all(math.isfinite(a) for a in ours.tolist())
     if scale == "none":
         assert (advantages.dr_grpo(rewards, G) - trl_adv).abs().max().item() < TOL
+
+
+# TRL loss types that are labkit loss modes (labkit.loss_modes), with TRL's aggregation:
+#   cispo -> loss "cispo": TRL clips the weight above only, at the absolute epsilon_high; labkit
+#            clips to [1 - eps_low, 1 + eps_high], so eps_high = epsilon_high - 1 and eps_low =
+#            0.999 (a bound of 0.001 that no ratio here reaches); aggregated as dapo (token-mean)
+#   sapo  -> loss "sapo(tau_pos, tau_neg)" = sapo_temperature_pos / _neg, seq-mean-token-mean
+#   luspo -> loss "gspo" (sequence ratio) with agg "seq-mean-token-sum"
+MODE_CASES = [
+    ("cispo", {"epsilon_high": 1.3}, "cispo", {"eps_low": 0.999, "eps_high": 0.3}, "token-mean"),
+    ("sapo", {"sapo_temperature_pos": 1.0, "sapo_temperature_neg": 1.05},
+     "sapo(tau_pos=1.0, tau_neg=1.05)", {}, "seq-mean-token-mean"),
+    ("sapo", {"sapo_temperature_pos": 0.5, "sapo_temperature_neg": 2.0},
+     "sapo(tau_pos=0.5, tau_neg=2)", {}, "seq-mean-token-mean"),
+    ("luspo", {"importance_sampling_level": "sequence", "epsilon_high": 0.28}, "gspo",
+     {"eps_high": 0.28}, "seq-mean-token-sum"),
+]
+
+
+@pytest.mark.parametrize("case", MODE_CASES, ids=[f"{c[0]}-{c[2]}" for c in MODE_CASES])
+def test_loss_modes_match_trl_compute_loss(case, tmp_path):
+    """TRL's cispo, sapo and luspo loss types against labkit's loss modes on the same batch:
+    the loss and the gradient of every weight, to 1e-6 (float32, as TRL computes)."""
+    from labkit.loss_modes import policy_loss_mode
+
+    loss_type, extra, spec, clip, agg = case
+    trainer = _trainer(tmp_path, loss_type=loss_type, beta=0.0, **extra)
+    model = trainer.model
+    inputs = _batch(trainer, 0.0)
+    mask = inputs["completion_mask"]
+    model.zero_grad(set_to_none=True)
+    trl_loss = trainer.compute_loss(model, inputs)
+    trl_loss.backward()
+    trl_grads = _grads(model)
+
+    model.zero_grad(set_to_none=True)
+    logp = _completion_logps(model, inputs["prompt_ids"], inputs["prompt_mask"],
+                             inputs["completion_ids"], mask)
+    loss, _ = policy_loss_mode(spec, logp, inputs["old_per_token_logps"], inputs["advantages"],
+                               mask, agg=agg, **clip)
+    loss.backward()
+    ours_grads = _grads(model)
+    assert abs(trl_loss.item() - loss.item()) < TOL, (trl_loss.item(), loss.item())
+    scale = trl_grads.abs().max().item()
+    assert scale > 0
+    assert (trl_grads - ours_grads).abs().max().item() < TOL * max(1.0, scale)

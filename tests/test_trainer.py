@@ -91,7 +91,7 @@ def _one_update(tmp_path, name, **kwargs):
 
 
 def test_gradient_accumulation_equals_one_pass(tmp_path):
-    for agg in ("token-mean", "seq-mean-token-mean"):
+    for agg in ("token-mean", "seq-mean-token-mean", "token-sum"):
         _, whole = _one_update(tmp_path, f"one-{agg}", agg=agg, lr=1e-2)
         _, accumulated = _one_update(tmp_path, f"acc-{agg}", agg=agg, lr=1e-2, grad_accum=4)
         # Adam's first step is lr * g / (|g| + eps): a weight whose gradient is below eps = 1e-8
