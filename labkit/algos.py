@@ -53,6 +53,8 @@ class Learner:
     critic_scheduler: object = None
     passes: Passes = FAST_PASSES
     """How the policy, the reference and the critic run (`TrainConfig.fast`)."""
+    beta: float = 0.0
+    """The KL coefficient now: config.beta, moved by the adaptive controller (kl_target)."""
 
 
 def advantage_inputs(config: TrainConfig, rewards: Tensor, mask: Tensor | None = None, *,
@@ -141,11 +143,11 @@ def policy_terms(config: TrainConfig, learner: Learner, batch: RolloutBatch, mic
             stats["clip/total"] = stats["clip/low"] + stats["clip/high"]
     total = pg
     stats = {**stats, "loss/policy": pg.item(), "policy/entropy": masked_mean(ent, mask)}
-    if ref_logp is not None and config.algo == "grpo":
+    if ref_logp is not None and config.kl_place == "loss":
         kl_t = losses.kl(logp, ref_logp[micro], config.kl_estimator)
         kl_loss = losses.aggregate(kl_t, mask, **agg)
-        total = total + config.beta * kl_loss
-        stats |= {"loss/kl": config.beta * kl_loss.item(),
+        total = total + learner.beta * kl_loss
+        stats |= {"loss/kl": learner.beta * kl_loss.item(),
                   "policy/kl": masked_mean(kl_t.detach(), mask)}
     if want_entropy_grad:
         ent_loss = losses.aggregate(ent, mask, **agg)
@@ -239,17 +241,51 @@ def grpo_step(config: TrainConfig, learner: Learner, batch: RolloutBatch, reward
     per-token estimators); `extras` holds what the estimator declared it needs.
 
     Departures from PPO: no critic; the baseline is the group's mean reward (and, for grpo,
-    the scale its std); KL to the reference sits in the loss, not in the reward.
+    the scale its std); KL to the reference sits in the loss, unless kl_in="reward": then
+    the estimator sees r - beta * sum_t KL_t (and per-token ones the per-token penalty).
     """
-    advantages = group_advantages(config, rewards, batch.completion_mask, extras)
+    mask = batch.completion_mask
+    in_reward = config.kl_place == "reward" and learner.reference is not None
+    ref_logp = _reference_logprobs(config, learner, batch) if in_reward else None
+    token_rewards = None
+    if in_reward:  # the reward seen by the estimator; the logged reward stays the task's
+        token_rewards = losses.ppo_token_rewards(rewards, mask, logp=batch.old_logprobs,
+                                                 ref_logp=ref_logp, beta=learner.beta,
+                                                 kind=config.kl_estimator)
+        estimator = adv.ESTIMATORS.resolve(config.estimator, "estimator")
+        advantages = estimator(advantage_inputs(config, token_rewards.sum(1), mask,
+                                                token_rewards=token_rewards, extras=extras))
+    else:
+        advantages = group_advantages(config, rewards, mask, extras)
     rows = kept_rows(config, rewards)
     stats = {"rollout/kept_frac": len(rows) / rewards.shape[0]}
     if len(rows) == 0:  # every group had equal rewards: nothing to learn this step
         return StepOutput(advantages, stats)
-    ref_logp = _reference_logprobs(config, learner, batch)
+    if ref_logp is None:
+        ref_logp = _reference_logprobs(config, learner, batch)
     stats |= kl_k1(batch, ref_logp)
     stats |= update(config, learner, batch, rows, advantages, step_seed, ref_logp=ref_logp)
+    stats |= adapt_beta(config, learner, batch, ref_logp)
     return StepOutput(advantages, stats)
+
+
+def adapt_beta(config: TrainConfig, learner: Learner, batch: RolloutBatch,
+               ref_logp: Tensor | None) -> dict:
+    """`policy/beta`, the KL coefficient this step used, and with kl_target the controller's
+    move of `learner.beta` for the next step (KL: the step's mean per-token estimate of the
+    sampling policy, kind kl_estimator, over sequences then rows, as verl). {} without a
+    reference."""
+    if ref_logp is None:
+        return {}
+    stats = {"policy/beta": learner.beta}
+    if config.kl_target is not None:
+        mask = batch.completion_mask
+        kl_t = losses.kl(batch.old_logprobs, ref_logp, config.kl_estimator, mask=mask)
+        per_row = kl_t.sum(1) / mask.sum(1).clamp(min=1)
+        learner.beta = losses.adaptive_beta(learner.beta, float(per_row.mean()),
+                                            config.kl_target, config.kl_horizon,
+                                            mask.shape[0])
+    return stats
 
 
 def ppo_step(config: TrainConfig, learner: Learner, batch: RolloutBatch, rewards: Tensor,
@@ -257,17 +293,19 @@ def ppo_step(config: TrainConfig, learner: Learner, batch: RolloutBatch, rewards
     """One PPO update (token advantages (N, T)).
 
     The scalar reward sits on each completion's last token, minus beta * KL to the reference
-    on every token; the critic's values turn these token rewards into GAE advantages
-    (whitened over the batch) and returns, the critic's regression target.
+    on every token (or, kl_in="loss", beta * KL in the policy loss instead); the critic's
+    values turn these token rewards into GAE advantages (whitened over the batch) and
+    returns, the critic's regression target.
     """
     mask = batch.completion_mask
     ref_logp = _reference_logprobs(config, learner, batch)
     with torch.inference_mode(), learner.accelerator.autocast():
         old_values = token_values(learner.critic, batch, share_prompt=config.share_prompt)
     old_values = old_values.float().clone()  # (N, T), an ordinary tensor
+    in_reward = ref_logp is not None and config.kl_place == "reward"
     token_rewards = losses.ppo_token_rewards(
-        rewards, mask, logp=batch.old_logprobs if ref_logp is not None else None,
-        ref_logp=ref_logp, beta=config.beta if ref_logp is not None else 0.0,
+        rewards, mask, logp=batch.old_logprobs if in_reward else None,
+        ref_logp=ref_logp if in_reward else None, beta=learner.beta if in_reward else 0.0,
         kind=config.kl_estimator)
     estimator = adv.ESTIMATORS.resolve(config.estimator, "estimator")  # gae by default
     advantages = estimator(advantage_inputs(config, rewards, mask, token_rewards=token_rewards,
@@ -275,9 +313,11 @@ def ppo_step(config: TrainConfig, learner: Learner, batch: RolloutBatch, rewards
     _, returns = adv.gae(token_rewards, old_values, mask, gamma=config.gamma, lam=config.lam)
     rows = torch.arange(rewards.shape[0], device=rewards.device)
     stats = update(config, learner, batch, rows, advantages, step_seed,
-                   old_values=old_values, returns=returns)
-    if ref_logp is not None:
+                   ref_logp=None if in_reward else ref_logp, old_values=old_values,
+                   returns=returns)
+    if in_reward:
         stats["policy/kl"] = masked_mean(losses.kl(batch.old_logprobs, ref_logp,
                                                    config.kl_estimator), mask)
     stats |= kl_k1(batch, ref_logp)
+    stats |= adapt_beta(config, learner, batch, ref_logp)
     return StepOutput(advantages, stats, values=old_values, returns=returns)

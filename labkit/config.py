@@ -113,11 +113,22 @@ class TrainConfig:
     ratio_level: Level = "token"
     """token: PPO's per-token ratio; sequence: GSPO's length-normalised sequence ratio."""
     beta: float = bounded(0.0, ge=0)
-    """KL coefficient: in the loss for GRPO, in the reward for PPO. 0 loads no reference."""
-    kl_kind: Literal["auto", "k1", "k2", "k3"] = "auto"
+    """KL coefficient (the first, with kl_target): where kl_in puts it. 0 loads no reference."""
+    kl_in: Literal["auto", "loss", "reward"] = "auto"
+    """Where the KL penalty sits: auto is GRPO's loss (DeepSeekMath) and PPO's reward
+    (InstructGPT); loss adds beta * KL to the policy loss, reward subtracts beta * KL per
+    token from the reward (a group estimator sees r - beta * sum_t KL_t), for either
+    algorithm (verl's use_kl_loss / use_kl_in_reward)."""
+    kl_target: float | None = bounded(None, gt=0)
+    """Adaptive KL (Ziegler et al., 2019): after each step beta *= 1 + clip(KL / kl_target -
+    1, -0.2, 0.2) * N / kl_horizon, KL the step's mean per-token estimate; None keeps beta."""
+    kl_horizon: int = bounded(10000, ge=1)
+    """Adaptive KL: the horizon, in completions, over which beta moves by up to 20%."""
+    kl_kind: Literal["auto", "k1", "k2", "k3", "abs", "k1+", "k3+", "abs+"] = "auto"
     """KL estimator of labkit.losses.kl; auto picks per algorithm, as the papers do: k3 in
     GRPO's loss (DeepSeekMath; unbiased and >= 0), k1 = logp - ref_logp in PPO's reward
-    (InstructGPT, Ouyang et al. 2022). An explicit k1, k2 or k3 wins (`kl_estimator`)."""
+    (InstructGPT, Ouyang et al. 2022). An explicit kind wins (`kl_estimator`): abs = |log
+    ratio|; k1+, k3+, abs+ keep their base kind's value with k2's gradient (verl)."""
     entropy_coef: float = bounded(0.0, ge=0)
     """Entropy bonus: loss - entropy_coef * mean entropy."""
     dynamic_sampling: bool = False
@@ -265,6 +276,8 @@ class TrainConfig:
             raise ValueError(f"loss={self.loss!r} is its own objective: reinforce, dual_clip "
                              "and ratio_level='sequence' apply to loss='vanilla' (or take "
                              "loss='gpg', 'dual_clip' or 'gspo')")
+        if self.kl_target is not None and self.beta == 0:
+            raise ValueError("kl_target adapts beta: it needs beta > 0 (its starting value)")
         if self.reinforce and self.algo != "grpo":
             raise ValueError("reinforce applies to algo='grpo' (group baselines), not ppo")
         self._check_estimator()
@@ -342,6 +355,13 @@ class TrainConfig:
     def rows(self) -> int:
         """N = B * G completions per step."""
         return self.batch_prompts * self.group_size
+
+    @property
+    def kl_place(self) -> str:
+        """Where the KL penalty sits: kl_in, or for auto the loss (GRPO) or the reward (PPO)."""
+        if self.kl_in != "auto":
+            return self.kl_in
+        return "reward" if self.algo == "ppo" else "loss"
 
     @property
     def kl_estimator(self) -> str:

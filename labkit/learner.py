@@ -153,20 +153,21 @@ def build_learner(config: TrainConfig, accelerator):
             accelerator.prepare(policy, optimizer, scheduler, critic, critic_optimizer,
                                 critic_scheduler)
         learner = Learner(policy, optimizer, scheduler, accelerator, reference, critic,
-                          critic_optimizer, critic_scheduler, passes)
+                          critic_optimizer, critic_scheduler, passes, beta=config.beta)
     else:
         policy, optimizer, scheduler = accelerator.prepare(policy, optimizer, scheduler)
-        learner = Learner(policy, optimizer, scheduler, accelerator, reference, passes=passes)
+        learner = Learner(policy, optimizer, scheduler, accelerator, reference, passes=passes,
+                          beta=config.beta)
     return learner, tokenizer
 
 
 def learner_state(learner: Learner) -> dict:
     """The weights, optimizer and schedule states a checkpoint holds (the policy's and, for
-    PPO, the critic's)."""
+    PPO, the critic's), and the KL coefficient as the adaptive controller left it."""
     acc = learner.accelerator
     state = {"policy": acc.unwrap_model(learner.policy).state_dict(),
              "optimizer": learner.optimizer.state_dict(),
-             "scheduler": learner.scheduler.state_dict()}
+             "scheduler": learner.scheduler.state_dict(), "beta": learner.beta}
     if learner.critic is not None:
         state |= {"critic": acc.unwrap_model(learner.critic).state_dict(),
                   "critic_optimizer": learner.critic_optimizer.state_dict(),
@@ -180,6 +181,7 @@ def restore_learner(learner: Learner, state: dict) -> None:
     acc.unwrap_model(learner.policy).load_state_dict(state["policy"])
     learner.optimizer.load_state_dict(state["optimizer"])
     learner.scheduler.load_state_dict(state["scheduler"])
+    learner.beta = state.get("beta", learner.beta)  # older checkpoints: the config's beta
     if learner.critic is not None:
         acc.unwrap_model(learner.critic).load_state_dict(state["critic"])
         learner.critic_optimizer.load_state_dict(state["critic_optimizer"])

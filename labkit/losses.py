@@ -23,8 +23,9 @@ from labkit.registry import Registry
 
 Level = Literal["token", "sequence"]
 LEVELS = get_args(Level)  # PPO's per-token ratio / GSPO's per-sequence ratio
-KlKind = Literal["k1", "k2", "k3"]
-KL_KINDS = get_args(KlKind)  # Schulman's estimators; k3 is DeepSeekMath's
+KlKind = Literal["k1", "k2", "k3", "abs", "k1+", "k3+", "abs+"]
+KL_KINDS = get_args(KlKind)  # Schulman's estimators (k3 is DeepSeekMath's), |log ratio|, and
+KL_VALUES = ("k1", "k2", "k3", "abs")  # the "+" forms: a value of k1/k3/abs, k2's gradient
 
 AGG_MODES = Registry("loss aggregation mode", ("masked", "mask"), ("max_len",))
 """How per-token losses become one number: `fn(masked, mask, *, max_len) -> scalar`, with
@@ -196,35 +197,56 @@ def _clip_stats(r: Tensor, a: Tensor, m: Tensor, dual: Tensor, eps_low: float,
     }
 
 
-def kl(logp: Tensor, ref_logp: Tensor, kind: KlKind = "k3", *, mask: Tensor | None = None) -> Tensor:
+def kl(logp: Tensor, ref_logp: Tensor, kind: KlKind = "k3", *,
+       mask: Tensor | None = None) -> Tensor:
     """Per-token estimate of KL(pi || pi_ref) from sampled tokens -> `(N, T)`.
 
     logp, ref_logp: `(N, T)`; x = ref_logp - logp. k1 = -x (unbiased, can be negative);
-    k2 = x^2 / 2; k3 = exp(x) - x - 1 (unbiased, >= 0; DeepSeekMath). k3 is computed as
-    expm1(x) - x, or its Taylor series for |x| < 1e-2, so it keeps its precision when the
-    policy is still close to the reference. ref_logp is detached; gradient flows
-    through logp. With `mask`, masked tokens are 0 (otherwise the caller aggregates).
+    k2 = x^2 / 2; k3 = exp(x) - x - 1 (unbiased, >= 0; DeepSeekMath); abs = |x| (verl).
+    k3 is computed as expm1(x) - x, or its Taylor series for |x| < 1e-2, so it keeps its
+    precision when the policy is still close to the reference. A "+" form (k1+, k3+, abs+;
+    verl's straight-through) has the value of its base kind and the gradient of k2, whose
+    expected gradient is the true KL's (the others' is not, Schulman's note). ref_logp is
+    detached; gradient flows through logp. With `mask`, masked tokens are 0.
     """
     if kind not in KL_KINDS:
         raise ValueError(f"kind must be one of {KL_KINDS}, got {kind!r}")
     lp = _up(logp)
     ref = as_float(ref_logp).to(lp.device)
     if tuple(ref.shape) != tuple(lp.shape):
-        raise ValueError(f"ref_logp shape {tuple(ref.shape)} must equal logp shape {tuple(lp.shape)}")
+        raise ValueError(f"ref_logp shape {tuple(ref.shape)} must equal logp shape "
+                         f"{tuple(lp.shape)}")
     x = ref - lp
-    if kind == "k1":
+    base = kind.rstrip("+")
+    if base == "k1":
         out = -x
-    elif kind == "k2":
+    elif base == "k2":
         out = 0.5 * x * x
+    elif base == "abs":
+        out = x.abs()
     else:
         # exp(x) - x - 1 loses every digit to cancellation for small x; below |x| = 1e-2
         # its Taylor series (next term x^5/120, relative 1e-8) is exact to fp32 rounding
         series = x * x * (0.5 + x * (1.0 / 6.0 + x / 24.0))
         out = torch.where(x.abs() < 1e-2, series, torch.expm1(x) - x)
+    if kind.endswith("+"):
+        k2 = 0.5 * x * x
+        out = k2 - k2.detach() + out.detach()
     if mask is not None:
         m = check_mask(out, mask, "logp")
         out = torch.where(m, out, torch.zeros((), dtype=out.dtype, device=out.device))
     return out
+
+
+def adaptive_beta(beta: float, kl_value: float, target: float, horizon: int,
+                  n_steps: int) -> float:
+    """The adaptive KL controller (Ziegler et al., 2019; verl's AdaptiveKLController):
+    beta * (1 + clip(kl_value / target - 1, -0.2, 0.2) * n_steps / horizon). beta grows
+    while the KL is above target and shrinks below it, by at most 20% per horizon."""
+    if not target > 0 or not horizon > 0:
+        raise ValueError(f"target and horizon must be > 0, got {target!r}, {horizon!r}")
+    error = min(max(kl_value / target - 1.0, -0.2), 0.2)
+    return beta * (1.0 + error * n_steps / horizon)
 
 
 def _chunk_entropy(logits: Tensor) -> Tensor:
@@ -322,5 +344,5 @@ def ppo_token_rewards(rewards: Tensor, mask: Tensor, *, logp: Tensor | None = No
     return out
 
 
-__all__ = ["AGG_MODES", "LEVELS", "KL_KINDS", "aggregate", "policy_loss", "kl", "entropy",
-           "value_loss", "ppo_token_rewards"]
+__all__ = ["AGG_MODES", "LEVELS", "KL_KINDS", "KL_VALUES", "aggregate", "policy_loss", "kl",
+           "entropy", "value_loss", "ppo_token_rewards", "adaptive_beta", "clipped_surrogate"]

@@ -60,6 +60,9 @@ METRICS: dict[str, str] = {
         "min(ratio, clip_c) was truncated",
     "ratio/mean": "mean importance ratio exp(logp - old_logp) over unmasked tokens",
     "ratio/max": "largest importance ratio exp(logp - old_logp) over unmasked tokens",
+    "policy/beta":
+        "the KL coefficient the step used (beta > 0): the config's, or as the adaptive "
+        "controller (kl_target) has moved it",
     "policy/kl":
         "mean per-token KL estimate (kl_kind: k3 for GRPO, k1 for PPO by default) to the "
         "reference over unmasked tokens: GRPO's as in its loss, during the update; PPO's on the "

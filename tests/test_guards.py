@@ -312,14 +312,14 @@ def test_a_non_finite_loss_mid_step_is_kept_apart_from_the_resumable_checkpoints
     from labkit.rundir import CHECKPOINTS, latest_checkpoint
     from labkit.trainer import RunAborted, train
 
-    original, calls = labkit.algos.losses.policy_loss, []
+    original, calls = labkit.algos.policy_loss_mode, []
 
     def nan_on_second_minibatch(*args, **kwargs):
         calls.append(1)
         loss, stats = original(*args, **kwargs)
         return (loss * math.nan if len(calls) == 2 else loss), stats
 
-    monkeypatch.setattr(labkit.algos.losses, "policy_loss", nan_on_second_minibatch)
+    monkeypatch.setattr(labkit.algos, "policy_loss_mode", nan_on_second_minibatch)
     run_dir = tmp_path / "run"
     with pytest.raises(RunAborted, match="step 1: non-finite loss.*mid-step.*the beginning"):
         train(TrainConfig(run_dir=str(run_dir), minibatches=2, **FAST))

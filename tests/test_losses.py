@@ -318,12 +318,27 @@ def ref_kl(logp, ref, kind):
         line = []
         for lp, rp in zip(lrow, rrow):
             x = rp - lp
-            line.append(-x if kind == "k1" else x * x / 2 if kind == "k2" else math.exp(x) - x - 1)
+            base = kind.rstrip("+")  # a "+" form has its base kind's value
+            line.append(-x if base == "k1" else x * x / 2 if base == "k2" else
+                        abs(x) if base == "abs" else math.exp(x) - x - 1)
         out.append(line)
     return out
 
 
-@pytest.mark.parametrize("kind", ["k1", "k2", "k3"])
+@pytest.mark.parametrize("kind", ["k1", "k3", "abs"])
+def test_kl_plus_forms_have_the_k2_gradient(kind):
+    """k1+, k3+, abs+: the base kind's value, and d/d logp = logp - ref_logp, k2's gradient."""
+    gen = torch.Generator().manual_seed(7)
+    logp = -torch.rand(3, 4, generator=gen, dtype=torch.float64) * 2
+    ref = logp + 0.5 * torch.randn(3, 4, generator=gen, dtype=torch.float64)
+    lp = logp.clone().requires_grad_()
+    value = L.kl(lp, ref, kind + "+")
+    assert torch.equal(value.detach(), L.kl(logp, ref, kind))
+    value.sum().backward()
+    assert_close(lp.grad, logp - ref, **TOL64)
+
+
+@pytest.mark.parametrize("kind", ["k1", "k2", "k3", "abs"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_kl_matches_loop(kind, dtype):
     gen = torch.Generator().manual_seed(6)
@@ -350,7 +365,7 @@ def test_kl_k3_small_differences_and_gradient():
     assert_close(lp.grad, -torch.expm1(ref - logp), **TOL)  # d/d logp of e^x - x - 1
     masked = L.kl(logp, ref, "k1", mask=torch.tensor([[1, 1, 0, 0]]))
     assert (masked[0, 2:] == 0).all()
-    with pytest.raises(ValueError, match="k1.*k2.*k3"):
+    with pytest.raises(ValueError, match="k1.*k2.*k3.*abs.*k1\\+"):
         L.kl(logp, ref, "k4")
 
 

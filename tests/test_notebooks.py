@@ -92,6 +92,11 @@ def check_00(summary, records, params):
         assert summary[f"adv_std/{name}"] >= 0
     quantities = {r["quantity"] for r in records}
     assert {"reward", "advantage/rloo", "kl/k3", "surrogate/A=-1/dual clip c=3"} <= quantities
+    from labkit.advantages import ESTIMATORS
+    from labkit.loss_modes import POLICY_LOSSES
+
+    assert {f"registered/{n}" for n in ESTIMATORS if n != "gae"} <= quantities
+    assert {f"loss_mode/A=+1/{n}" for n in POLICY_LOSSES} <= quantities
 
 
 def _seeded(arm: str, params: dict) -> list[str]:

@@ -194,3 +194,37 @@ def test_gae_matches_verl(lam):
     torch.testing.assert_close(got, want * mask, **F32)
     _, returns = adv.gae(token, values, mask, gamma=0.99, lam=lam)
     torch.testing.assert_close(returns * mask, want_returns * mask, **F32)
+
+
+@pytest.mark.parametrize("kind", ["k1", "k2", "k3", "abs", "k1+", "k3+", "abs+"])
+def test_kl_kinds_match_verl_kl_penalty(kind):
+    """labkit.losses.kl == verl kl_penalty, value and gradient, float32 to 1e-6 (labkit's k3
+    uses its Taylor series below |x| = 1e-2, exact to float32 rounding, not to 1e-10)."""
+    from labkit import losses
+
+    gen = torch.Generator().manual_seed(13)
+    logp = -torch.rand(6, 5, generator=gen) * 3
+    ref = logp + torch.randn(6, 5, generator=gen) * 0.7
+    ref[0, :3] = logp[0, :3] + torch.tensor([1e-3, -5e-3, 0.0])  # near and at the reference
+    lp_v, lp_l = logp.clone().requires_grad_(), logp.clone().requires_grad_()
+    want = verl.kl_penalty(lp_v, ref, kind)
+    got = losses.kl(lp_l, ref, kind)
+    torch.testing.assert_close(got, want, **F32)
+    want.sum().backward()
+    got.sum().backward()
+    torch.testing.assert_close(lp_l.grad, lp_v.grad, **F32)
+
+
+@pytest.mark.parametrize("kl_value", [0.001, 0.05, 0.5])
+def test_adaptive_beta_matches_verl_controller(kl_value):
+    """labkit.losses.adaptive_beta == verl AdaptiveKLController.update over a few steps
+    (float64 to 1e-12: the same expression in Python floats and numpy)."""
+    from labkit.losses import adaptive_beta
+
+    controller = verl.AdaptiveKLController(init_kl_coef=0.04, target_kl=0.05, horizon=1000)
+    beta = 0.04
+    for step in range(5):
+        controller.update(kl_value * (1 + step / 10), n_steps=256)
+        beta = adaptive_beta(beta, kl_value * (1 + step / 10), 0.05, 1000, 256)
+        assert beta == pytest.approx(float(controller.value), rel=1e-12, abs=0)
+    assert beta != 0.04 or kl_value == 0.05

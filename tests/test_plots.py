@@ -45,10 +45,10 @@ def test_clipped_surrogate_curves_equal_min_of_clip():
 
 def test_kl_estimator_curves_equal_their_formulas():
     fig = plots.kl_estimators(x_max=3.0, points=61)
-    assert [t.name for t in fig.data] == ["k1", "k2", "k3"]
+    assert [t.name for t in fig.data] == ["k1", "k2", "k3", "abs"]
     xs = fig.data[0].x
     formulas = {"k1": lambda x: -x, "k2": lambda x: x * x / 2,
-                "k3": lambda x: math.exp(x) - x - 1}
+                "k3": lambda x: math.exp(x) - x - 1, "abs": abs}
     for trace in fig.data:
         assert trace.x == pytest.approx(xs)
         assert trace.y == pytest.approx([formulas[trace.name](x) for x in xs], abs=1e-12)
@@ -163,3 +163,35 @@ def test_diag_points_reads_only_the_drawn_figures():
               "diag/grad_cos/grpo": 0.9, "diag/baseline_bias/grpo": 0.0, "adv/gav": 1.0}
     assert live_figure.diag_points(record) == {("baseline_mse", "grpo"): 0.1,
                                                ("grad_rel_var", "ppo_gae"): 2.0}
+
+
+def test_loss_mode_weights_are_each_modes_gradient_weight():
+    """The weight on grad log pi against the ratio: vanilla rho*A inside its clip and 0 where
+    the clip cuts; cispo the clipped ratio everywhere; gpg A whatever the ratio."""
+    fig = plots.loss_mode_weights(eps_low=0.2, eps_high=0.28, points=60)
+    from labkit.loss_modes import POLICY_LOSSES
+
+    assert {t.name for t in fig.data} == set(POLICY_LOSSES)
+    for a in (1.0, -1.0):
+        def curve(name):
+            return traces(fig, name=name, meta=f"A={a:+g}")[0]
+        rhos = curve("vanilla").x
+        for rho, w in zip(rhos, curve("vanilla").y):
+            cut = (a > 0 and rho > 1.28) or (a < 0 and rho < 0.8)
+            assert w == pytest.approx(0.0 if cut else rho * a, abs=1e-12)
+        for rho, w in zip(rhos, curve("cispo").y):
+            assert w == pytest.approx(min(max(rho, 0.8), 1.28) * a, abs=1e-12)
+        assert curve("gpg").y == pytest.approx([a] * len(rhos), abs=1e-12)
+
+
+def test_registered_advantages_give_every_critic_free_estimator_per_completion():
+    from labkit import advantages as adv
+    from labkit.lab import registered_advantages
+
+    r = torch.tensor([1.0, 0.0, 0.0, 1.0])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 0], [1, 1, 1]])
+    table = registered_advantages(r, mask, greedy_reward=1.0)
+    assert set(table) == {n for n in adv.ESTIMATORS if n != "gae"}
+    assert all(a.shape == (4,) for a in table.values())
+    assert torch.equal(table["remax"], r - 1.0)
+    assert torch.equal(table["rloo"], adv.rloo(r, 4))

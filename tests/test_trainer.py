@@ -129,13 +129,13 @@ def test_variants_run_with_finite_losses(tmp_path, variant):
 def test_non_finite_loss_stops_with_a_checkpoint(tmp_path, monkeypatch):
     import labkit.algos
 
-    original = labkit.algos.losses.policy_loss
+    original = labkit.algos.policy_loss_mode
 
     def poisoned(*args, **kwargs):
         loss, stats = original(*args, **kwargs)
         return loss * float("nan"), stats
 
-    monkeypatch.setattr(labkit.algos.losses, "policy_loss", poisoned)
+    monkeypatch.setattr(labkit.algos, "policy_loss_mode", poisoned)
     with pytest.raises(RuntimeError, match="non-finite loss.*checkpoint"):
         train(TrainConfig(run_dir=str(tmp_path / "nan"), **dict(SMOKE, eval_n=4)))
     assert latest_checkpoint(tmp_path / "nan") is not None
@@ -430,3 +430,45 @@ def test_every_group_estimator_trains_a_step(estimator):
     want = ESTIMATORS[estimator](advantage_inputs(config, result.rewards,
                                                   result.batch.completion_mask, extras=extras))
     assert torch.equal(result.advantages, want)
+
+
+@pytest.mark.parametrize("algo, kl_in", [("grpo", "reward"), ("ppo", "loss"), ("grpo", "loss"),
+                                         ("ppo", "reward")])
+def test_kl_sits_where_kl_in_puts_it(algo, kl_in, monkeypatch):
+    """kl_in=loss logs loss/kl (a term of the policy loss); kl_in=reward does not, and a GRPO
+    estimator sees r_i - beta * sum_t KL_t. The reference log-probs are set to the sampling
+    ones minus 0.1, so k1 = 0.1 on every token and the penalty of row i is beta * 0.1 * L_i."""
+    import labkit.algos as algos
+    from labkit.trainer import Trainer
+
+    monkeypatch.setattr(algos, "_reference_logprobs",
+                        lambda config, learner, batch: batch.old_logprobs - 0.1)
+    config = TrainConfig(algo=algo, beta=0.5, kl_in=kl_in, kl_kind="k1", estimator=None
+                         if algo == "ppo" else "dr_grpo", **STEP)
+    result = Trainer(config).step(1)
+    assert ("loss/kl" in result.metrics) == (kl_in == "loss")
+    assert result.metrics["policy/beta"] == 0.5
+    assert result.metrics["policy/kl_k1"] == pytest.approx(0.1, rel=1e-5)
+    if algo == "grpo":
+        penalty = 0.5 * 0.1 * result.batch.completion_mask.sum(1)
+        seen = result.rewards - (penalty if kl_in == "reward" else 0.0)
+        want = seen.view(-1, config.group_size)
+        want = (want - want.mean(1, keepdim=True)).reshape(-1)  # dr_grpo
+        torch.testing.assert_close(result.advantages, want, rtol=1e-5, atol=1e-5)
+
+
+def test_adaptive_kl_moves_beta_and_a_checkpoint_keeps_it(tmp_path):
+    from labkit.rundir import latest_checkpoint
+
+    """With a target far above any KL the error clips at -0.2: each step multiplies beta by
+    1 - 0.2 * N / horizon, and the checkpoint holds the value after the last step's move."""
+    config = TrainConfig(beta=0.1, kl_target=10.0, kl_horizon=100, run_dir=str(tmp_path / "r"),
+                         **dict(STEP, steps=3))
+    result = train(config)
+    betas = [r["policy/beta"] for r in result.history if "policy/beta" in r]
+    factor = 1 - 0.2 * 16 / 100
+    assert betas == pytest.approx([0.1 * factor ** k for k in range(3)], rel=1e-12)
+    state = torch.load(latest_checkpoint(result.run_dir), weights_only=False)
+    assert state["beta"] == pytest.approx(0.1 * factor ** 3, rel=1e-12)
+    with pytest.raises(ValueError, match="kl_target adapts beta"):
+        TrainConfig(kl_target=0.01)

@@ -14,7 +14,8 @@ controls), `plots` (figures), `live` (notebook 03's live figure), `runner` and `
 (papermill runs of notebooks).
 """
 
-from labkit.lab.blocks import figure_records, group_summary, ppo_row_advantages, problem
+from labkit.lab.blocks import (figure_records, group_summary, ppo_row_advantages, problem,
+                               registered_advantages)
 from labkit.lab.experiments import (BUDGETS, DEFAULT_ARMS, NOTEBOOK_DEFAULTS,
                                     batch_prompts_for, compare, compare_arms, fresh_dir,
                                     group_size_runs, histories, informative_prediction,
@@ -36,6 +37,7 @@ __all__ = ["BUDGETS", "DEFAULT_ARMS", "MONITORS", "NOTEBOOK_DEFAULTS", "QUESTION
            "describe_sweep", "figure_records", "final_diagnostics", "findings_summary",
            "flat_summary", "fresh_dir", "group_size_findings", "group_size_runs",
            "group_summary", "grpo_vs_ppo", "histories", "live_controls", "live_outputs",
-           "live_training", "parse_arms", "parse_list", "ppo_row_advantages", "problem", "project_root",
+           "live_training", "parse_arms", "parse_list", "ppo_row_advantages", "problem",
+           "project_root", "registered_advantages",
            "resolve_run_dir", "run_all", "run_config", "seed_list", "setup", "state_mb",
            "summary_rows", "sweep_rows", "write_outputs"]

@@ -38,6 +38,25 @@ def ppo_row_advantages(rewards: torch.Tensor, mask: torch.Tensor, *, gamma: floa
     return torch.where(m, a, 0.0).sum(1) / m.sum(1).clamp(min=1)  # (N,)
 
 
+def registered_advantages(rewards: torch.Tensor, mask: torch.Tensor, *,
+                          greedy_reward: float) -> dict[str, torch.Tensor]:
+    """Every critic-free estimator of `ESTIMATORS` on one group (G = len(rewards)): name ->
+    (G,), a per-token estimator's row shown as its mean over the row's real tokens. remax's
+    baseline is `greedy_reward`, the reward of the prompt's greedy completion; gdpo sees the
+    reward as its one term."""
+    r = rewards.float()
+    x = adv.AdvantageInputs(r, len(r), mask=mask, components=r[:, None],
+                            extras={"greedy_rewards": torch.full_like(r, greedy_reward)})
+    m = mask.bool()
+    out = {}
+    for name in adv.ESTIMATORS:
+        if "values" in adv.ESTIMATORS.needs(name):
+            continue
+        a = adv.ESTIMATORS[name](x)
+        out[name] = a if a.dim() == 1 else torch.where(m, a, 0.0).sum(1) / m.sum(1).clamp(min=1)
+    return out
+
+
 def figure_records(fig, prefix: str) -> list[dict]:
     """One metrics.jsonl line per trace of a figure: its name and its x and y values."""
     out = []

@@ -119,12 +119,45 @@ def clipped_surrogate(*, eps_low: float = 0.2, eps_high: float = 0.28, dual_clip
     return fig
 
 
+def loss_mode_weights(*, eps_low: float = 0.2, eps_high: float = 0.28, p_old: float = 0.3,
+                      ratio_max: float = 3.0, points: int = 121) -> go.Figure:
+    """Every policy-loss mode of `labkit.loss_modes.POLICY_LOSSES` (default options) as the
+    weight it puts on grad log pi of one token, -d loss / d logp, against the ratio rho, for
+    A = +1 (left) and A = -1 (right). One token of old probability p_old (DPPO's regions
+    depend on it); computed by autograd through `policy_loss_mode`, token-sum aggregation.
+    Where a curve is 0 the token does not learn; vanilla's weight is rho A inside the clip."""
+    from labkit.loss_modes import POLICY_LOSSES, policy_loss_mode
+
+    ratios = [ratio_max * (k + 1) / points for k in range(points)]
+    old = torch.full((1, 1), math.log(p_old), dtype=torch.float64)
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("A = +1", "A = -1"))
+    for col, a in ((1, 1.0), (2, -1.0)):
+        for i, name in enumerate(POLICY_LOSSES):
+            ys = []
+            for rho in ratios:
+                logp = (old + math.log(rho)).clamp(max=0.0).requires_grad_()
+                loss, _ = policy_loss_mode(name, logp, old, torch.tensor([[a]]),
+                                           torch.ones(1, 1, dtype=torch.bool), eps_low=eps_low,
+                                           eps_high=eps_high, agg="token-sum")
+                (grad,) = torch.autograd.grad(loss, logp)
+                ys.append(-float(grad))
+            fig.add_scatter(x=ratios, y=ys, name=name, meta=f"A={a:+g}", row=1, col=col,
+                            mode="lines", line=dict(color=color(i)), legendgroup=name,
+                            showlegend=col == 1)
+    fig.update_xaxes(title_text="ratio rho = pi / pi_old")
+    fig.update_yaxes(title_text="weight on grad log pi", col=1)
+    fig.update_layout(title="Policy-loss modes: how much one token learns at each ratio",
+                      height=460)
+    return fig
+
+
 def kl_estimators(*, x_max: float = 2.0, points: int = 201) -> go.Figure:
-    """k1, k2, k3 per-token KL estimates against x = log(pi_ref / pi), from `losses.kl`."""
+    """k1, k2, k3 and abs per-token KL estimates against x = log(pi_ref / pi), from
+    `losses.kl` (the "+" forms share their base kind's values)."""
     xs = torch.linspace(-x_max, x_max, points, dtype=torch.float64)
     logp = torch.zeros(1, points, dtype=torch.float64)
     fig = go.Figure()
-    for i, kind in enumerate(losses.KL_KINDS):
+    for i, kind in enumerate(losses.KL_VALUES):
         ys = losses.kl(logp, xs[None], kind)[0]
         fig.add_scatter(x=xs.tolist(), y=ys.tolist(), name=kind, mode="lines",
                         line=dict(color=color(i)))

@@ -1,0 +1,44 @@
+"""experiments/variants.yaml: every registered estimator and loss mode is an arm of the sweep,
+and its smoke variant runs (CI), each arm compared with the default."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import pytest
+import yaml
+
+from labkit import lab
+from labkit.advantages import ESTIMATORS
+from labkit.lab.sweeps import load_sweep, run_sweep
+from labkit.loss_modes import POLICY_LOSSES
+
+REPO = Path(__file__).resolve().parents[1]
+VARIANTS = REPO / "experiments" / "variants.yaml"
+
+
+def test_the_sweep_has_an_arm_for_every_estimator_and_loss_mode():
+    arms = lab.parse_arms(yaml.safe_load(VARIANTS.read_text())["parameters"]["arms"])
+    estimators = {fields.get("estimator") for fields in arms.values()}
+    losses = {fields.get("loss") for fields in arms.values()}
+    critic_free = {n for n in ESTIMATORS if "values" not in ESTIMATORS.needs(n)}
+    assert critic_free <= estimators, critic_free - estimators
+    assert set(POLICY_LOSSES) - {"vanilla"} <= losses, set(POLICY_LOSSES) - losses
+    assert all(len(fields) == 1 for fields in arms.values())  # one change per arm
+
+
+@pytest.mark.notebook
+def test_the_smoke_sweep_runs_and_compares_each_arm_with_the_default(tmp_path):
+    text = VARIANTS.read_text().replace("../notebooks/", str(REPO / "notebooks") + "/")
+    (tmp_path / "variants.yaml").write_text(text)
+    sweep = load_sweep(tmp_path / "variants.yaml", smoke=True)
+    runs = run_sweep(sweep, tmp_path / "runs", progress=False)
+    assert [r.status for r in runs] == ["ok"]
+    row = next(csv.DictReader((tmp_path / "runs" / sweep.name / "sweep.csv").open()))
+    arms = lab.parse_arms(sweep.parameters["arms"])
+    questions = [v for k, v in row.items() if k.endswith("/question")]
+    assert questions == [f"{arm} gains more held-out accuracy than grpo" for arm in arms
+                         if arm != "grpo"]
+    verdicts = [v for k, v in row.items() if k.endswith("/verdict")]
+    assert all(v in ("supported", "refuted", "inconclusive at this budget") for v in verdicts)
