@@ -19,7 +19,7 @@ from torch import Tensor
 from labkit import advantages as adv
 from labkit import losses
 from labkit.config import TrainConfig
-from labkit.loss_modes import policy_loss_mode
+from labkit.loss_modes import high_entropy_mask, policy_loss_mode
 from labkit.metrics import masked_mean
 from labkit.rollout import RolloutBatch
 from labkit.scoring import FAST_PASSES, Passes, token_logprobs, token_values
@@ -79,14 +79,17 @@ def group_advantages(config: TrainConfig, rewards: Tensor, mask: Tensor | None =
     return estimator(advantage_inputs(config, rewards, mask, extras=extras))
 
 
-def kept_rows(config: TrainConfig, rewards: Tensor) -> Tensor:
-    """Row indices the update uses: all, or (dynamic sampling) those of mixed groups."""
-    N = rewards.shape[0]
-    if not config.dynamic_sampling:
-        return torch.arange(N, device=rewards.device)
-    groups = rewards.view(-1, config.group_size)  # (B, G)
-    mixed = groups.amax(-1) != groups.amin(-1)  # (B,)
-    return torch.nonzero(mixed.repeat_interleave(config.group_size)).squeeze(-1)
+def kept_rows(config: TrainConfig, rewards: Tensor, truncated: Tensor | None = None) -> Tensor:
+    """Row indices the update uses: all; without those of groups of equal rewards (dynamic
+    sampling); without the completions cut at the budget (mask_truncated, `truncated` (N,))."""
+    keep = torch.ones_like(rewards, dtype=torch.bool)
+    if config.dynamic_sampling:
+        groups = rewards.view(-1, config.group_size)  # (B, G)
+        mixed = groups.amax(-1) != groups.amin(-1)  # (B,)
+        keep &= mixed.repeat_interleave(config.group_size)
+    if config.mask_truncated and truncated is not None:
+        keep &= ~truncated.to(keep.device)
+    return torch.nonzero(keep).squeeze(-1)
 
 
 def _micro_batches(config: TrainConfig, rows: Tensor, step_seed: int):
@@ -131,14 +134,18 @@ def policy_terms(config: TrainConfig, learner: Learner, batch: RolloutBatch, mic
     mask = batch.completion_mask[micro]
     agg = dict(agg=config.agg, max_len=config.max_new_tokens)
     A = advantages[micro]
+    learns = None  # top_entropy < 1: only the highest-entropy tokens carry the policy loss
+    if config.top_entropy < 1:
+        learns = high_entropy_mask(ent, mask, config.top_entropy)
     if config.reinforce:  # on-policy: the ratio is 1, so its gradient is A * grad logp
         A_t = A if A.dim() == 2 else A[:, None].expand_as(logp)
-        pg, stats = losses.aggregate(-A_t * logp, mask, **agg), {}
+        per_token = -A_t * logp if learns is None else torch.where(learns, -A_t * logp, 0.0)
+        pg, stats = losses.aggregate(per_token, mask, **agg), {}
     else:
         pg, stats = policy_loss_mode(config.loss, logp, batch.old_logprobs[micro], A, mask,
                                      eps_low=config.eps_low, eps_high=config.eps_high,
                                      dual_clip=config.dual_clip, level=config.ratio_level,
-                                     **agg)
+                                     token_mask=learns, **agg)
         if "clip/low" in stats and "clip/high" in stats:  # disjoint: A < 0, A > 0
             stats["clip/total"] = stats["clip/low"] + stats["clip/high"]
     total = pg
@@ -257,7 +264,7 @@ def grpo_step(config: TrainConfig, learner: Learner, batch: RolloutBatch, reward
                                                 token_rewards=token_rewards, extras=extras))
     else:
         advantages = group_advantages(config, rewards, mask, extras)
-    rows = kept_rows(config, rewards)
+    rows = kept_rows(config, rewards, batch.truncated)
     stats = {"rollout/kept_frac": len(rows) / rewards.shape[0]}
     if len(rows) == 0:  # every group had equal rewards: nothing to learn this step
         return StepOutput(advantages, stats)
@@ -311,8 +318,12 @@ def ppo_step(config: TrainConfig, learner: Learner, batch: RolloutBatch, rewards
     advantages = estimator(advantage_inputs(config, rewards, mask, token_rewards=token_rewards,
                                             extras={**(extras or {}), "values": old_values}))
     _, returns = adv.gae(token_rewards, old_values, mask, gamma=config.gamma, lam=config.lam)
-    rows = torch.arange(rewards.shape[0], device=rewards.device)
-    stats = update(config, learner, batch, rows, advantages, step_seed,
+    rows = kept_rows(config, rewards, batch.truncated)
+    if len(rows) == 0:  # mask_truncated and every completion was cut: nothing to learn
+        return StepOutput(advantages, {"rollout/kept_frac": 0.0}, values=old_values,
+                          returns=returns)
+    stats = {"rollout/kept_frac": len(rows) / rewards.shape[0]}
+    stats |= update(config, learner, batch, rows, advantages, step_seed,
                    ref_logp=None if in_reward else ref_logp, old_values=old_values,
                    returns=returns)
     if in_reward:

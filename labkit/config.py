@@ -133,6 +133,19 @@ class TrainConfig:
     """Entropy bonus: loss - entropy_coef * mean entropy."""
     dynamic_sampling: bool = False
     """DAPO: drop groups whose rewards are all equal before the update."""
+    top_entropy: float = bounded(1.0, gt=0, le=1)
+    """Only this fraction of each micro-batch's real tokens, those of highest entropy, carry
+    the policy loss ("80/20", Wang et al., 2025; TRL top_entropy_quantile); the aggregation
+    still counts every token, as TRL. 1 keeps all."""
+    mask_truncated: bool = False
+    """Leave the completions cut at max_new_tokens out of the update (DAPO's overlong
+    filtering; TRL mask_truncated_completions drops their tokens the same way)."""
+    overlong_buffer: int = bounded(0, ge=0)
+    """DAPO's soft overlong punishment: a completion of L tokens gets -overlong_penalty *
+    max(0, L - (max_new_tokens - overlong_buffer)) / overlong_buffer added to its reward
+    (verl's overlong_buffer); 0 turns it off."""
+    overlong_penalty: float = bounded(1.0, ge=0)
+    """The soft overlong punishment at the budget's end (verl's penalty_factor)."""
     reinforce: bool = False
     """Plain REINFORCE with the advantage as weight: one update, no ratio, no clip."""
 
@@ -276,6 +289,10 @@ class TrainConfig:
             raise ValueError(f"loss={self.loss!r} is its own objective: reinforce, dual_clip "
                              "and ratio_level='sequence' apply to loss='vanilla' (or take "
                              "loss='gpg', 'dual_clip' or 'gspo')")
+        if self.overlong_buffer > self.max_new_tokens:
+            raise ValueError(f"overlong_buffer={self.overlong_buffer} must be <= "
+                             f"max_new_tokens={self.max_new_tokens}: the penalty zone is the "
+                             "end of the budget")
         if self.kl_target is not None and self.beta == 0:
             raise ValueError("kl_target adapts beta: it needs beta > 0 (its starting value)")
         if self.reinforce and self.algo != "grpo":

@@ -315,24 +315,43 @@ class LossSpecs:
 LOSS_SPECS = LossSpecs()
 
 
+def high_entropy_mask(entropy: Tensor, mask: Tensor, keep: float) -> Tensor:
+    """(N, T) bool: the real tokens whose entropy is at least the (1 - keep) quantile of the
+    real tokens' entropies (the top `keep` fraction; ties kept), as TRL's
+    get_high_entropy_mask with threshold 1 - top_entropy_quantile. keep = 1 keeps all."""
+    if not 0.0 < keep <= 1.0:
+        raise ValueError(f"keep must be in (0, 1], got {keep!r}")
+    m = mask.bool()
+    if keep >= 1.0 or not m.any():
+        return m
+    threshold = torch.quantile(entropy.detach()[m].float(), 1.0 - keep)
+    return (entropy.detach() >= threshold) & m
+
+
 def policy_loss_mode(spec: str, logp: Tensor, old_logp: Tensor, advantages: Tensor,
                      mask: Tensor, *, eps_low: float = 0.2, eps_high: float = 0.2,
                      dual_clip: float | None = None, level: str = "token",
                      agg: str = "token-mean", max_len: int | None = None,
-                     generator: torch.Generator | None = None) -> tuple[Tensor, dict]:
+                     generator: torch.Generator | None = None,
+                     token_mask: Tensor | None = None) -> tuple[Tensor, dict]:
     """The policy loss of mode `spec` (a name of `POLICY_LOSSES` with options, e.g.
     "sapo(tau_pos=2)") -> (scalar loss, stats): inputs prepared as `policy_loss` prepares
     them, the mode's per-token loss, aggregated by `agg`. logp, old_logp, mask `(N, T)`,
-    advantages `(N,)` or `(N, T)`."""
+    advantages `(N,)` or `(N, T)`. token_mask `(N, T)`: only these tokens carry loss (e.g.
+    `high_entropy_mask`), while the aggregation still counts every real token (TRL's
+    convention)."""
     fn, options = parse_loss(spec)
     _check_clip(level, eps_low, eps_high, dual_clip)
     lp, old, a, m = _surrogate_inputs(logp, old_logp, advantages, mask)
     x = PolicyInputs(lp, old, a, m, eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip,
                      level=level, generator=generator)
     per_token, stats = fn(x, **options)
+    if token_mask is not None:
+        per_token = torch.where(token_mask.bool(), per_token, torch.zeros_like(per_token))
     return aggregate(per_token, m, agg, max_len=max_len), stats
 
 
 __all__ = ["POLICY_LOSSES", "PolicyInputs", "LOSS_SPECS", "LossSpecs", "parse_loss",
-           "options_of", "policy_loss_mode", "vanilla", "dual_clip", "gspo", "cispo", "sapo",
-           "gpg", "clip_cov", "kl_cov", "geo_mean", "dppo_tv", "dppo_kl", "dro"]
+           "options_of", "policy_loss_mode", "high_entropy_mask", "vanilla", "dual_clip",
+           "gspo", "cispo", "sapo", "gpg", "clip_cov", "kl_cov", "geo_mean", "dppo_tv",
+           "dppo_kl", "dro"]

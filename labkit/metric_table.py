@@ -20,9 +20,13 @@ METRICS: dict[str, str] = {
         "mean completion length in tokens (unmasked tokens per row, EOS included)",
     "rollout/length_max": "longest completion of the step, in tokens",
     "rollout/truncated_frac": "fraction of completions that hit max_new_tokens without EOS",
+    "rollout/overlong_penalty":
+        "overlong_buffer > 0: the mean soft overlong punishment added to the rewards (DAPO), "
+        "between -overlong_penalty and 0",
     "rollout/kept_frac":
-        "GRPO: fraction of the N completions the update used (dynamic sampling drops the groups "
-        "whose rewards are all equal; 1 without it)",
+        "fraction of the N completions the update used (dynamic sampling drops the groups "
+        "whose rewards are all equal, mask_truncated the completions cut at the budget; 1 "
+        "without either)",
     "adv/mean":
         "mean advantage over the N completions, or over the unmasked tokens for (N, T) advantages",
     "adv/std": "std of the advantages (divides by the count), same selection as adv/mean",

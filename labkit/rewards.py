@@ -377,6 +377,18 @@ def combine(*weighted: tuple[RewardFn, float]) -> RewardFn:
     return combined
 
 
+def overlong_penalty(lengths, max_len: int, buffer: int, factor: float = 1.0) -> list[float]:
+    """DAPO's soft overlong punishment (Yu et al., 2025; verl's overlong buffer): per
+    completion of L tokens, -factor * max(0, L - (max_len - buffer)) / buffer, so 0 up to
+    max_len - buffer tokens and -factor at the budget. buffer 0 gives all 0."""
+    if isinstance(buffer, bool) or not isinstance(buffer, int) or not 0 <= buffer <= max_len:
+        raise ValueError(f"buffer must be an int in [0, max_len={max_len}], got {buffer!r}")
+    if buffer == 0:
+        return [0.0 for _ in lengths]
+    start = max_len - buffer
+    return [-factor * max(0, int(n) - start) / buffer for n in lengths]
+
+
 # ----------------------------------------------------- reward-model scores
 
 NORMALIZATIONS = ("sigmoid", "group_minmax")

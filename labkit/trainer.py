@@ -35,7 +35,7 @@ from labkit.evaluation import run_eval
 from labkit.learner import (build_learner, learner_state, machine, make_accelerator,
                             restore_learner, update_count)
 from labkit.reproducible import set_threads
-from labkit.rewards import RewardError
+from labkit.rewards import RewardError, overlong_penalty
 from labkit.rollout import RolloutBatch, rollout
 from labkit.tasks import Problem, ProblemSource
 
@@ -163,12 +163,20 @@ def _one_step(config, learner, tokenizer, problems, step: int, step_seed: int) -
                            device=device)
     if not config.score_truncated:
         rewards = rewards.masked_fill(batch.truncated, 0.0)
+    penalty = {}
+    if config.overlong_buffer:  # DAPO's soft overlong punishment, on top of the reward
+        lengths = batch.completion_mask.sum(1).tolist()
+        overlong = torch.tensor(overlong_penalty(lengths, config.max_new_tokens,
+                                                 config.overlong_buffer,
+                                                 config.overlong_penalty), device=device)
+        rewards = rewards + overlong
+        penalty = {"rollout/overlong_penalty": overlong.mean().item()}
     extras = estimator_extras(config, learner, tokenizer, problems, batch, step_seed)
     t1 = time.perf_counter()
     out: StepOutput = step_fn(config, learner, batch, rewards, step_seed, extras)
     t2 = time.perf_counter()
     tokens = int(batch.completion_mask.sum())
-    extra = {**out.stats, "perf/rollout_s": t1 - t0, "perf/update_s": t2 - t1,
+    extra = {**out.stats, **penalty, "perf/rollout_s": t1 - t0, "perf/update_s": t2 - t1,
              "perf/step_s": t2 - t0, "perf/tokens_per_s": tokens / max(t2 - t0, 1e-9),
              "perf/mem_mb": _memory_mb(device), "opt/lr": learner.scheduler.get_last_lr()[0]}
     record = M.step_metrics(rewards=rewards, group_size=config.group_size,

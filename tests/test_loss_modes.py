@@ -224,3 +224,58 @@ def test_docs_variants_lists_every_registered_estimator_and_loss_mode():
     doc = (Path(__file__).resolve().parents[1] / "docs" / "variants.md").read_text()
     assert all(f"| `{name}` |" in doc for name in ESTIMATORS), list(ESTIMATORS)
     assert all(f"| `{name}" in doc for name in LM.POLICY_LOSSES), list(LM.POLICY_LOSSES)
+
+
+def test_high_entropy_mask_keeps_the_top_fraction_of_real_tokens():
+    ent = torch.tensor([[0.1, 0.9, 0.5, 7.0], [0.3, 0.8, 0.2, 0.0]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])  # 7.0 is padding: never kept
+    kept = LM.high_entropy_mask(ent, mask, 0.5)
+    real = sorted(ent[mask.bool()].tolist())  # 7 values; the (1 - 0.5) quantile is the median
+    assert kept.sum() == sum(1 for v in real if v >= real[3]) and not kept[0, 3]
+    assert torch.equal(LM.high_entropy_mask(ent, mask, 1.0), mask.bool())
+    with pytest.raises(ValueError, match="keep must be in"):
+        LM.high_entropy_mask(ent, mask, 0.0)
+
+
+def test_overlong_penalty_is_dapos_linear_ramp():
+    from labkit.rewards import overlong_penalty
+
+    got = overlong_penalty([3, 12, 13, 14, 16], max_len=16, buffer=4, factor=0.5)
+    assert got == pytest.approx([0.0, 0.0, -0.125, -0.25, -0.5])
+    assert overlong_penalty([16], max_len=16, buffer=0) == [0.0]
+    with pytest.raises(ValueError, match="buffer must be an int in"):
+        overlong_penalty([1], max_len=4, buffer=5)
+
+
+def test_kept_rows_drop_truncated_completions_when_asked():
+    from labkit.algos import kept_rows
+    from labkit.config import TrainConfig
+
+    r = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 1.0, 0.0])
+    cut = torch.tensor([False, True, False, False, False, False, True, False])
+    assert kept_rows(TrainConfig(group_size=4), r, cut).tolist() == list(range(8))
+    assert kept_rows(TrainConfig(group_size=4, mask_truncated=True), r, cut).tolist() == \
+        [0, 2, 3, 4, 5, 7]
+    both = TrainConfig(group_size=4, mask_truncated=True, dynamic_sampling=True)
+    r[:4] = 1.0  # the first group is all equal: dynamic sampling drops it too
+    assert kept_rows(both, r, cut).tolist() == [4, 5, 7]
+
+
+@pytest.mark.parametrize("fields", [dict(top_entropy=0.2), dict(mask_truncated=True),
+                                    dict(overlong_buffer=4, overlong_penalty=0.5)], ids=str)
+def test_rollout_tail_options_train_a_step(fields):
+    from labkit.config import TrainConfig
+    from labkit.trainer import Trainer
+
+    config = TrainConfig(steps=2, batch_prompts=8, group_size=4, max_new_tokens=16, eval_n=4,
+                         eval_samples=0, cgc_prompts=0, progress=False, warmup_steps=0,
+                         **fields)
+    result = Trainer(config).step(1)
+    assert math.isfinite(result.metrics.get("loss/total", 0.0))
+    if "overlong_buffer" in fields:
+        lengths = result.batch.completion_mask.sum(1)
+        zone = (lengths - 12).clamp(min=0) / 4 * 0.5
+        assert result.metrics["rollout/overlong_penalty"] == pytest.approx(-zone.mean().item())
+    if fields.get("mask_truncated"):
+        kept = 1 - result.batch.truncated.float().mean().item()
+        assert result.metrics["rollout/kept_frac"] == pytest.approx(kept)

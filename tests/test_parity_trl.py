@@ -336,3 +336,36 @@ def test_loss_modes_match_trl_compute_loss(case, tmp_path):
     scale = trl_grads.abs().max().item()
     assert scale > 0
     assert (trl_grads - ours_grads).abs().max().item() < TOL * max(1.0, scale)
+
+
+def test_top_entropy_masking_matches_trl_compute_loss(tmp_path):
+    """TRL's top_entropy_quantile=0.5 (only the upper half of the tokens by entropy carry the
+    loss) == labkit's high_entropy_mask(entropy, mask, 0.5) as the token_mask of the vanilla
+    loss, at TRL's grpo aggregation: the loss and every weight's gradient to 1e-6."""
+    from labkit.losses import entropy
+    from labkit.loss_modes import high_entropy_mask, policy_loss_mode
+
+    trainer = _trainer(tmp_path, loss_type="grpo", beta=0.0, top_entropy_quantile=0.5)
+    model = trainer.model
+    inputs = _batch(trainer, 0.0)
+    mask = inputs["completion_mask"]
+    model.zero_grad(set_to_none=True)
+    trl_loss = trainer.compute_loss(model, inputs)
+    trl_loss.backward()
+    trl_grads = _grads(model)
+
+    model.zero_grad(set_to_none=True)
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+    attention = torch.cat([inputs["prompt_mask"], mask], dim=1)
+    p, c = inputs["prompt_ids"].shape[1], inputs["completion_ids"].shape[1]
+    logits = model(input_ids=ids, attention_mask=attention).logits.float()[:, p - 1:p - 1 + c]
+    logp = torch.log_softmax(logits, -1).gather(-1, inputs["completion_ids"][..., None])[..., 0]
+    learns = high_entropy_mask(entropy(logits), mask, 0.5)
+    assert 0 < learns.sum() < mask.sum()  # the mask keeps some tokens and drops others
+    loss, _ = policy_loss_mode("vanilla", logp, inputs["old_per_token_logps"],
+                               inputs["advantages"], mask, agg="seq-mean-token-mean",
+                               token_mask=learns)
+    loss.backward()
+    assert abs(trl_loss.item() - loss.item()) < TOL, (trl_loss.item(), loss.item())
+    scale = trl_grads.abs().max().item()
+    assert (trl_grads - _grads(model)).abs().max().item() < TOL * max(1.0, scale)

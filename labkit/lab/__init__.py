@@ -21,7 +21,7 @@ from labkit.lab.experiments import (BUDGETS, DEFAULT_ARMS, NOTEBOOK_DEFAULTS,
                                     group_size_runs, histories, informative_prediction,
                                     live_training, parse_arms, parse_fields, parse_list, project_root,
                                     resolve_run_dir, run_all, run_config, seed_list, setup)
-from labkit.lab.summaries import (describe, describe_diagnostics, describe_sweep,
+from labkit.lab.summaries import (arms_table, describe, describe_diagnostics, describe_sweep,
                                   final_diagnostics, flat_summary, live_outputs, state_mb,
                                   summary_rows, sweep_rows, write_outputs)
 from labkit.lab.questions import (MONITORS, QUESTIONS, answer, diagnostic_findings,
@@ -31,7 +31,7 @@ from labkit.lab.verdicts import (Finding, arm_findings, arm_rows, describe_findi
 from labkit.lab.widgets import live_controls
 
 __all__ = ["BUDGETS", "DEFAULT_ARMS", "MONITORS", "NOTEBOOK_DEFAULTS", "QUESTIONS", "Finding",
-           "answer", "arm_findings", "arm_rows", "diagnostic_findings", "factor_findings",
+           "answer", "arms_table", "arm_findings", "arm_rows", "diagnostic_findings", "factor_findings",
            "monitor_findings", "parse_fields", "informative_findings", "informative_prediction",
            "batch_prompts_for", "compare", "compare_arms", "describe", "describe_diagnostics", "describe_findings",
            "describe_sweep", "figure_records", "final_diagnostics", "findings_summary",

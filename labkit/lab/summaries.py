@@ -285,3 +285,33 @@ def live_outputs(run_dir: str | Path, results: Mapping[str, RunResult], **params
     summary = flat_summary(rows, **params, **figures, description=text)
     write_outputs(run_dir, summary, histories(results))
     return summary
+
+
+def arms_table(summary: Mapping) -> str:
+    """A markdown table of notebook 05's summary.json (`summary`): per arm, the held-out
+    accuracy after training and its gain, each the mean over the arm's seeds with its 95%
+    t interval, and the finding against the baseline (paired difference of gains, verdict)."""
+    from labkit import stats
+
+    runs: dict[str, dict[str, dict]] = {}
+    for key, value in summary.items():
+        parts = key.split("/")
+        if len(parts) == 3 and parts[1].startswith("seed="):
+            runs.setdefault(parts[0], {}).setdefault(parts[1], {})[parts[2]] = value
+    findings = {}
+    for k in range(1, len(summary)):
+        question = summary.get(f"finding{k}/question")
+        if question is None:
+            break
+        arm = question.split(" gains more")[0]
+        low, high = summary[f"finding{k}/low"], summary[f"finding{k}/high"]
+        findings[arm] = (f"{summary[f'finding{k}/mean']:+.1f} [{low:+.1f}, {high:+.1f}]",
+                         summary[f"finding{k}/verdict"])
+    lines = ["| arm | accuracy after | gain (points) | gain - baseline's (points) | verdict |",
+             "|---|---|---|---|---|"]
+    for arm, seeds in runs.items():
+        after = stats.mean_interval([s["accuracy_after"] for s in seeds.values()])
+        gain = stats.mean_interval([100 * s["gain"] for s in seeds.values()])
+        diff, verdict = findings.get(arm, ("(baseline)", ""))
+        lines.append(f"| {arm} | {after.format(3)} | {gain.format(1)} | {diff} | {verdict} |")
+    return "\n".join(lines)
