@@ -11,13 +11,13 @@ optimizer) is shared. `labkit.trainer.train` repeats a step and owns the run.
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
 
 from labkit import advantages as adv
-from labkit import losses
+from labkit import losses, mismatch
 from labkit.config import TrainConfig
 from labkit.loss_modes import high_entropy_mask, policy_loss_mode
 from labkit.metrics import masked_mean
@@ -79,10 +79,12 @@ def group_advantages(config: TrainConfig, rewards: Tensor, mask: Tensor | None =
     return estimator(advantage_inputs(config, rewards, mask, extras=extras))
 
 
-def kept_rows(config: TrainConfig, rewards: Tensor, truncated: Tensor | None = None) -> Tensor:
+def kept_rows(config: TrainConfig, rewards: Tensor, truncated: Tensor | None = None,
+              keep: Tensor | None = None) -> Tensor:
     """Row indices the update uses: all; without those of groups of equal rewards (dynamic
-    sampling); without the completions cut at the budget (mask_truncated, `truncated` (N,))."""
-    keep = torch.ones_like(rewards, dtype=torch.bool)
+    sampling); without the completions cut at the budget (mask_truncated, `truncated` (N,));
+    only those of `keep` (N,) (the mismatch's rejection)."""
+    keep = torch.ones_like(rewards, dtype=torch.bool) if keep is None else keep.clone()
     if config.dynamic_sampling:
         groups = rewards.view(-1, config.group_size)  # (B, G)
         mixed = groups.amax(-1) != groups.amin(-1)  # (B,)
@@ -124,7 +126,8 @@ def _optimizer_step(learner: Learner, parameters, optimizer, scheduler, max_norm
 
 
 def policy_terms(config: TrainConfig, learner: Learner, batch: RolloutBatch, micro: Tensor,
-                 advantages: Tensor, ref_logp: Tensor | None) -> tuple[Tensor, dict]:
+                 advantages: Tensor, ref_logp: Tensor | None,
+                 token_weight: Tensor | None = None) -> tuple[Tensor, dict]:
     """The policy's loss on rows `micro`: the loss mode `config.loss` (the clipped surrogate
     by default; REINFORCE with `reinforce`) + beta KL - entropy."""
     want_entropy_grad = config.entropy_coef > 0
@@ -136,16 +139,19 @@ def policy_terms(config: TrainConfig, learner: Learner, batch: RolloutBatch, mic
     A = advantages[micro]
     learns = None  # top_entropy < 1: only the highest-entropy tokens carry the policy loss
     if config.top_entropy < 1:
-        learns = high_entropy_mask(ent, mask, config.top_entropy)
+        learns = high_entropy_mask(ent, mask, config.top_entropy).to(logp.dtype)
+    if token_weight is not None:  # the mismatch's importance weights
+        w = token_weight[micro].to(logp.dtype)
+        learns = w if learns is None else learns * w
     if config.reinforce:  # on-policy: the ratio is 1, so its gradient is A * grad logp
         A_t = A if A.dim() == 2 else A[:, None].expand_as(logp)
-        per_token = -A_t * logp if learns is None else torch.where(learns, -A_t * logp, 0.0)
+        per_token = -A_t * logp if learns is None else -A_t * logp * learns
         pg, stats = losses.aggregate(per_token, mask, **agg), {}
     else:
         pg, stats = policy_loss_mode(config.loss, logp, batch.old_logprobs[micro], A, mask,
                                      eps_low=config.eps_low, eps_high=config.eps_high,
                                      dual_clip=config.dual_clip, level=config.ratio_level,
-                                     token_mask=learns, **agg)
+                                     token_weight=learns, **agg)
         if "clip/low" in stats and "clip/high" in stats:  # disjoint: A < 0, A > 0
             stats["clip/total"] = stats["clip/low"] + stats["clip/high"]
     total = pg
@@ -170,7 +176,8 @@ first pass the ratio is 1 and nothing clips, so the average over all passes dilu
 
 def _minibatch_terms(config: TrainConfig, learner: Learner, batch: RolloutBatch,
                      micro_batches: list[Tensor], advantages: Tensor, ref_logp: Tensor | None,
-                     old_values: Tensor | None, returns: Tensor | None) -> dict:
+                     old_values: Tensor | None, returns: Tensor | None,
+                     token_weight: Tensor | None = None) -> dict:
     """Backward of one minibatch's loss, micro-batch by micro-batch; its stats, each micro-
     batch's weighted by its share of the minibatch."""
     acc, sums, mask = learner.accelerator, defaultdict(float), batch.completion_mask
@@ -178,7 +185,8 @@ def _minibatch_terms(config: TrainConfig, learner: Learner, batch: RolloutBatch,
     for micro in micro_batches:
         share = _share(config, mask, micro, minibatch)
         with acc.autocast():
-            loss, stats = policy_terms(config, learner, batch, micro, advantages, ref_logp)
+            loss, stats = policy_terms(config, learner, batch, micro, advantages, ref_logp,
+                                       token_weight)
             if learner.critic is not None:
                 values = token_values(learner.critic, batch, micro,
                                       share_prompt=config.share_prompt)
@@ -198,13 +206,15 @@ def _minibatch_terms(config: TrainConfig, learner: Learner, batch: RolloutBatch,
 
 def update(config: TrainConfig, learner: Learner, batch: RolloutBatch, rows: Tensor,
            advantages: Tensor, step_seed: int, *, ref_logp: Tensor | None = None,
-           old_values: Tensor | None = None, returns: Tensor | None = None) -> dict:
+           old_values: Tensor | None = None, returns: Tensor | None = None,
+           token_weight: Tensor | None = None) -> dict:
     """num_iterations x minibatches optimizer steps over `rows`; mean of their stats, and
-    (num_iterations > 1) the mean of the clip fractions over passes >= 2 as `reuse/clip_*`."""
+    (num_iterations > 1) the mean of the clip fractions over passes >= 2 as `reuse/clip_*`.
+    token_weight `(N, T)`: importance weights on the policy loss (the mismatch's)."""
     sums, reuse, steps, reuse_steps = defaultdict(float), defaultdict(float), 0, 0
     for pass_index, micro_batches in _micro_batches(config, rows, step_seed):
         stats = _minibatch_terms(config, learner, batch, micro_batches, advantages, ref_logp,
-                                 old_values, returns)
+                                 old_values, returns, token_weight)
         stats["perf/grad_norm"] = _optimizer_step(learner, learner.policy.parameters(),
                                                   learner.optimizer, learner.scheduler,
                                                   config.max_grad_norm)
@@ -242,6 +252,31 @@ def kl_k1(batch: RolloutBatch, ref_logp: Tensor | None) -> dict:
     return {"policy/kl_k1": masked_mean(losses.kl(batch.old_logprobs, ref_logp, "k1"), mask)}
 
 
+def rescore(config: TrainConfig, learner: Learner,
+            batch: RolloutBatch) -> tuple[RolloutBatch, Tensor | None, Tensor | None, dict]:
+    """The sampler-learner mismatch (`config.rescores_old`): the learner's own log-probs of
+    the sampled tokens, one no-grad pass, become the batch's old log-probs; returns (batch,
+    importance weights (N, T) or None, rows kept by the rejection (N,) or None, stats)."""
+    if not config.rescores_old:
+        return batch, None, None, {}
+    with torch.inference_mode(), learner.accelerator.autocast():
+        logp, _ = token_logprobs(learner.policy, batch, temperature=config.temperature,
+                                 share_prompt=config.share_prompt, forward=learner.passes.lm)
+    logp = logp.float().clone()
+    mask, sampler = batch.completion_mask, batch.old_logprobs
+    stats = mismatch.mismatch_stats(logp, sampler, mask)
+    log_ratio = torch.where(mask.bool(), logp - sampler, torch.zeros_like(logp))
+    weights = keep = None
+    if config.mismatch_is != "off":
+        weights = mismatch.is_weights(log_ratio, mask, level=config.mismatch_is,
+                                      cap=config.mismatch_cap, low=config.mismatch_low)
+        stats["mismatch/weight_mean"] = masked_mean(weights, mask)
+    if config.reject_low is not None:
+        keep = mismatch.keep_sequences(log_ratio, mask, config.reject_low, config.reject_high)
+        stats["mismatch/rejected_frac"] = 1.0 - keep.float().mean().item()
+    return replace(batch, old_logprobs=logp), weights, keep, stats
+
+
 def grpo_step(config: TrainConfig, learner: Learner, batch: RolloutBatch, rewards: Tensor,
               step_seed: int, extras: dict | None = None) -> StepOutput:
     """One GRPO update from a rollout and its rewards (advantages (N,), or (N, T) for the
@@ -251,6 +286,7 @@ def grpo_step(config: TrainConfig, learner: Learner, batch: RolloutBatch, reward
     the scale its std); KL to the reference sits in the loss, unless kl_in="reward": then
     the estimator sees r - beta * sum_t KL_t (and per-token ones the per-token penalty).
     """
+    batch, weights, keep, mismatch_stats = rescore(config, learner, batch)
     mask = batch.completion_mask
     in_reward = config.kl_place == "reward" and learner.reference is not None
     ref_logp = _reference_logprobs(config, learner, batch) if in_reward else None
@@ -264,14 +300,15 @@ def grpo_step(config: TrainConfig, learner: Learner, batch: RolloutBatch, reward
                                                 token_rewards=token_rewards, extras=extras))
     else:
         advantages = group_advantages(config, rewards, mask, extras)
-    rows = kept_rows(config, rewards, batch.truncated)
-    stats = {"rollout/kept_frac": len(rows) / rewards.shape[0]}
+    rows = kept_rows(config, rewards, batch.truncated, keep)
+    stats = {"rollout/kept_frac": len(rows) / rewards.shape[0], **mismatch_stats}
     if len(rows) == 0:  # every group had equal rewards: nothing to learn this step
         return StepOutput(advantages, stats)
     if ref_logp is None:
         ref_logp = _reference_logprobs(config, learner, batch)
     stats |= kl_k1(batch, ref_logp)
-    stats |= update(config, learner, batch, rows, advantages, step_seed, ref_logp=ref_logp)
+    stats |= update(config, learner, batch, rows, advantages, step_seed, ref_logp=ref_logp,
+                    token_weight=weights)
     stats |= adapt_beta(config, learner, batch, ref_logp)
     return StepOutput(advantages, stats)
 
@@ -304,6 +341,7 @@ def ppo_step(config: TrainConfig, learner: Learner, batch: RolloutBatch, rewards
     values turn these token rewards into GAE advantages (whitened over the batch) and
     returns, the critic's regression target.
     """
+    batch, weights, keep, mismatch_stats = rescore(config, learner, batch)
     mask = batch.completion_mask
     ref_logp = _reference_logprobs(config, learner, batch)
     with torch.inference_mode(), learner.accelerator.autocast():
@@ -318,12 +356,11 @@ def ppo_step(config: TrainConfig, learner: Learner, batch: RolloutBatch, rewards
     advantages = estimator(advantage_inputs(config, rewards, mask, token_rewards=token_rewards,
                                             extras={**(extras or {}), "values": old_values}))
     _, returns = adv.gae(token_rewards, old_values, mask, gamma=config.gamma, lam=config.lam)
-    rows = kept_rows(config, rewards, batch.truncated)
-    if len(rows) == 0:  # mask_truncated and every completion was cut: nothing to learn
-        return StepOutput(advantages, {"rollout/kept_frac": 0.0}, values=old_values,
-                          returns=returns)
-    stats = {"rollout/kept_frac": len(rows) / rewards.shape[0]}
-    stats |= update(config, learner, batch, rows, advantages, step_seed,
+    rows = kept_rows(config, rewards, batch.truncated, keep)
+    stats = {"rollout/kept_frac": len(rows) / rewards.shape[0], **mismatch_stats}
+    if len(rows) == 0:  # every completion was cut or rejected: nothing to learn
+        return StepOutput(advantages, stats, values=old_values, returns=returns)
+    stats |= update(config, learner, batch, rows, advantages, step_seed, token_weight=weights,
                    ref_logp=None if in_reward else ref_logp, old_values=old_values,
                    returns=returns)
     if in_reward:

@@ -133,6 +133,24 @@ class TrainConfig:
     """Entropy bonus: loss - entropy_coef * mean entropy."""
     dynamic_sampling: bool = False
     """DAPO: drop groups whose rewards are all equal before the update."""
+    sampler_temperature: float | None = bounded(None, gt=0)
+    """Sample the rollout at this temperature while the learner scores at `temperature`: a
+    sampler-learner mismatch made on purpose, for the corrections below to correct; None
+    samples at `temperature`."""
+    mismatch_is: Literal["off", "token", "sequence"] = "off"
+    """Importance weights pi_learner / pi_sampler on the policy loss (labkit.mismatch): per
+    token, or per sequence (the product); the PPO ratio then uses the learner's old
+    log-probs, recomputed once per step. off: the sampler's log-probs are the old ones."""
+    mismatch_cap: float = bounded(2.0, gt=0)
+    """Truncated importance sampling: weights above this are cut to it."""
+    mismatch_low: float | None = bounded(None, gt=0)
+    """With it, weights outside [mismatch_low, mismatch_cap] become 0 instead (IcePop, masked
+    importance sampling)."""
+    reject_low: float | None = bounded(None, gt=0)
+    """Rejection: leave out of the update the completions whose geometric-mean ratio
+    pi_learner / pi_sampler is below this (set reject_high too)."""
+    reject_high: float | None = bounded(None, gt=0)
+    """Rejection: ... or above this."""
     top_entropy: float = bounded(1.0, gt=0, le=1)
     """Only this fraction of each micro-batch's real tokens, those of highest entropy, carry
     the policy loss ("80/20", Wang et al., 2025; TRL top_entropy_quantile); the aggregation
@@ -289,6 +307,13 @@ class TrainConfig:
             raise ValueError(f"loss={self.loss!r} is its own objective: reinforce, dual_clip "
                              "and ratio_level='sequence' apply to loss='vanilla' (or take "
                              "loss='gpg', 'dual_clip' or 'gspo')")
+        if (self.reject_low is None) != (self.reject_high is None) or (
+                self.reject_low is not None and self.reject_low > self.reject_high):
+            raise ValueError("reject_low and reject_high come together, with reject_low <= "
+                             f"reject_high, got {self.reject_low!r}, {self.reject_high!r}")
+        if self.mismatch_low is not None and self.mismatch_low > self.mismatch_cap:
+            raise ValueError(f"mismatch_low={self.mismatch_low} must be <= mismatch_cap="
+                             f"{self.mismatch_cap}")
         if self.overlong_buffer > self.max_new_tokens:
             raise ValueError(f"overlong_buffer={self.overlong_buffer} must be <= "
                              f"max_new_tokens={self.max_new_tokens}: the penalty zone is the "
@@ -372,6 +397,13 @@ class TrainConfig:
     def rows(self) -> int:
         """N = B * G completions per step."""
         return self.batch_prompts * self.group_size
+
+    @property
+    def rescores_old(self) -> bool:
+        """Whether a step recomputes the old log-probs with the learner (a mismatch to
+        measure or correct)."""
+        return (self.sampler_temperature is not None or self.mismatch_is != "off"
+                or self.reject_low is not None)
 
     @property
     def kl_place(self) -> str:

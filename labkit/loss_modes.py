@@ -333,12 +333,13 @@ def policy_loss_mode(spec: str, logp: Tensor, old_logp: Tensor, advantages: Tens
                      dual_clip: float | None = None, level: str = "token",
                      agg: str = "token-mean", max_len: int | None = None,
                      generator: torch.Generator | None = None,
-                     token_mask: Tensor | None = None) -> tuple[Tensor, dict]:
+                     token_weight: Tensor | None = None) -> tuple[Tensor, dict]:
     """The policy loss of mode `spec` (a name of `POLICY_LOSSES` with options, e.g.
     "sapo(tau_pos=2)") -> (scalar loss, stats): inputs prepared as `policy_loss` prepares
     them, the mode's per-token loss, aggregated by `agg`. logp, old_logp, mask `(N, T)`,
-    advantages `(N,)` or `(N, T)`. token_mask `(N, T)`: only these tokens carry loss (e.g.
-    `high_entropy_mask`), while the aggregation still counts every real token (TRL's
+    advantages `(N,)` or `(N, T)`. token_weight `(N, T)` (bool or float, no gradient)
+    multiplies the per-token loss: a mask (`high_entropy_mask`) or importance weights
+    (`labkit.mismatch`); the aggregation still counts every real token (TRL's, verl's
     convention)."""
     fn, options = parse_loss(spec)
     _check_clip(level, eps_low, eps_high, dual_clip)
@@ -346,8 +347,9 @@ def policy_loss_mode(spec: str, logp: Tensor, old_logp: Tensor, advantages: Tens
     x = PolicyInputs(lp, old, a, m, eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip,
                      level=level, generator=generator)
     per_token, stats = fn(x, **options)
-    if token_mask is not None:
-        per_token = torch.where(token_mask.bool(), per_token, torch.zeros_like(per_token))
+    if token_weight is not None:
+        w = token_weight.detach().to(device=per_token.device, dtype=per_token.dtype)
+        per_token = torch.where(m, per_token * w, torch.zeros_like(per_token))
     return aggregate(per_token, m, agg, max_len=max_len), stats
 
 

@@ -62,6 +62,17 @@ METRICS: dict[str, str] = {
     "clip/truncated":
         "loss dppo_tv / dppo_kl: fraction of unmasked tokens in the region whose weight "
         "min(ratio, clip_c) was truncated",
+    "mismatch/ratio_mean":
+        "with a sampler-learner mismatch measured (sampler_temperature, mismatch_is, "
+        "reject_*): mean over real tokens of pi_learner / pi_sampler for the sampled token",
+    "mismatch/ratio_max": "largest token ratio pi_learner / pi_sampler",
+    "mismatch/log_ppl_diff":
+        "mean over completions of log-perplexity under the sampler minus under the learner",
+    "mismatch/weight_mean":
+        "mismatch_is: mean importance weight on the policy loss (after truncation or masking)",
+    "mismatch/rejected_frac":
+        "reject_low / reject_high: fraction of completions left out for their geometric-mean "
+        "ratio",
     "ratio/mean": "mean importance ratio exp(logp - old_logp) over unmasked tokens",
     "ratio/max": "largest importance ratio exp(logp - old_logp) over unmasked tokens",
     "policy/beta":

@@ -156,7 +156,8 @@ def _one_step(config, learner, tokenizer, problems, step: int, step_seed: int) -
     with learner.accelerator.autocast():
         batch = rollout(policy, tokenizer, [p.prompt for p in problems],
                         group_size=config.group_size, max_new_tokens=config.max_new_tokens,
-                        temperature=config.temperature, top_k=config.top_k, top_p=config.top_p,
+                        temperature=config.sampler_temperature or config.temperature,
+                        top_k=config.top_k, top_p=config.top_p,
                         seed=step_seed, decoder=learner.passes.decoder)
     rows = [p for p in problems for _ in range(config.group_size)]  # (N,)
     rewards = torch.tensor(reward_specs.score(config.reward, rows, batch.texts, step_seed),

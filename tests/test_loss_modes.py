@@ -279,3 +279,23 @@ def test_rollout_tail_options_train_a_step(fields):
     if fields.get("mask_truncated"):
         kept = 1 - result.batch.truncated.float().mean().item()
         assert result.metrics["rollout/kept_frac"] == pytest.approx(kept)
+
+
+def test_token_weight_multiplies_each_tokens_loss_and_its_gradient():
+    lp, old, a, mask = _inputs(5)
+    w = torch.rand(lp.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    for spec in ("vanilla", "cispo", "geo_mean"):
+        one = lp.clone().requires_grad_()
+        base, _ = LM.policy_loss_mode(spec, one, old, a, mask, agg="token-sum")
+        per_token_base = torch.autograd.grad(base, one)[0]
+        two = lp.clone().requires_grad_()
+        weighted, _ = LM.policy_loss_mode(spec, two, old, a, mask, agg="token-sum",
+                                          token_weight=w)
+        if spec != "geo_mean":  # per-token modes: the weight scales each token's gradient
+            torch.testing.assert_close(torch.autograd.grad(weighted, two)[0],
+                                       per_token_base * w * mask, **F64)
+        else:  # a sequence-level value: the loss is the weighted sum of its tokens' copies
+            from labkit.losses import _surrogate_inputs
+
+            per_token, _ = LM.geo_mean(LM.PolicyInputs(*_surrogate_inputs(lp, old, a, mask)))
+            torch.testing.assert_close(weighted, (per_token * w * mask).sum(), **F64)

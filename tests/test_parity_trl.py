@@ -340,7 +340,7 @@ def test_loss_modes_match_trl_compute_loss(case, tmp_path):
 
 def test_top_entropy_masking_matches_trl_compute_loss(tmp_path):
     """TRL's top_entropy_quantile=0.5 (only the upper half of the tokens by entropy carry the
-    loss) == labkit's high_entropy_mask(entropy, mask, 0.5) as the token_mask of the vanilla
+    loss) == labkit's high_entropy_mask(entropy, mask, 0.5) as the token_weight of the vanilla
     loss, at TRL's grpo aggregation: the loss and every weight's gradient to 1e-6."""
     from labkit.losses import entropy
     from labkit.loss_modes import high_entropy_mask, policy_loss_mode
@@ -364,7 +364,7 @@ def test_top_entropy_masking_matches_trl_compute_loss(tmp_path):
     assert 0 < learns.sum() < mask.sum()  # the mask keeps some tokens and drops others
     loss, _ = policy_loss_mode("vanilla", logp, inputs["old_per_token_logps"],
                                inputs["advantages"], mask, agg="seq-mean-token-mean",
-                               token_mask=learns)
+                               token_weight=learns)
     loss.backward()
     assert abs(trl_loss.item() - loss.item()) < TOL, (trl_loss.item(), loss.item())
     scale = trl_grads.abs().max().item()
