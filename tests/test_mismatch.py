@@ -5,17 +5,15 @@ sequence rejection by the geometric-mean ratio."""
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
 
 from labkit import mismatch as MM
 
-if os.environ.get("LABKIT_REQUIRE_PEERS") == "1":
-    from verl.trainer.ppo import rollout_corr_helper as verl
-else:
-    verl = pytest.importorskip("verl.trainer.ppo.rollout_corr_helper")
+from peers import peer
+
+verl = peer("verl.trainer.ppo.rollout_corr_helper")
 
 
 def _inputs(seed=0, dtype=torch.float64):

@@ -309,6 +309,27 @@ MODE_CASES = [
 ]
 
 
+def _trl_side(tmp_path, loss_type, **extra):
+    """TRL's loss and weight gradients on the prepared batch (no KL), and the batch; the
+    model's gradients are cleared again for labkit's side."""
+    trainer = _trainer(tmp_path, loss_type=loss_type, beta=0.0, **extra)
+    inputs = _batch(trainer, 0.0)
+    trainer.model.zero_grad(set_to_none=True)
+    trl_loss = trainer.compute_loss(trainer.model, inputs)
+    trl_loss.backward()
+    trl_grads = _grads(trainer.model)
+    trainer.model.zero_grad(set_to_none=True)
+    return trainer.model, inputs, trl_loss, trl_grads
+
+
+def _same_loss_and_grads(model, loss, trl_loss, trl_grads):
+    loss.backward()
+    assert abs(trl_loss.item() - loss.item()) < TOL, (trl_loss.item(), loss.item())
+    scale = trl_grads.abs().max().item()
+    assert scale > 0
+    assert (trl_grads - _grads(model)).abs().max().item() < TOL * max(1.0, scale)
+
+
 @pytest.mark.parametrize("case", MODE_CASES, ids=[f"{c[0]}-{c[2]}" for c in MODE_CASES])
 def test_loss_modes_match_trl_compute_loss(case, tmp_path):
     """TRL's cispo, sapo and luspo loss types against labkit's loss modes on the same batch:
@@ -316,26 +337,13 @@ def test_loss_modes_match_trl_compute_loss(case, tmp_path):
     from labkit.loss_modes import policy_loss_mode
 
     loss_type, extra, spec, clip, agg = case
-    trainer = _trainer(tmp_path, loss_type=loss_type, beta=0.0, **extra)
-    model = trainer.model
-    inputs = _batch(trainer, 0.0)
+    model, inputs, trl_loss, trl_grads = _trl_side(tmp_path, loss_type, **extra)
     mask = inputs["completion_mask"]
-    model.zero_grad(set_to_none=True)
-    trl_loss = trainer.compute_loss(model, inputs)
-    trl_loss.backward()
-    trl_grads = _grads(model)
-
-    model.zero_grad(set_to_none=True)
     logp = _completion_logps(model, inputs["prompt_ids"], inputs["prompt_mask"],
                              inputs["completion_ids"], mask)
     loss, _ = policy_loss_mode(spec, logp, inputs["old_per_token_logps"], inputs["advantages"],
                                mask, agg=agg, **clip)
-    loss.backward()
-    ours_grads = _grads(model)
-    assert abs(trl_loss.item() - loss.item()) < TOL, (trl_loss.item(), loss.item())
-    scale = trl_grads.abs().max().item()
-    assert scale > 0
-    assert (trl_grads - ours_grads).abs().max().item() < TOL * max(1.0, scale)
+    _same_loss_and_grads(model, loss, trl_loss, trl_grads)
 
 
 def test_top_entropy_masking_matches_trl_compute_loss(tmp_path):
@@ -345,16 +353,8 @@ def test_top_entropy_masking_matches_trl_compute_loss(tmp_path):
     from labkit.losses import entropy
     from labkit.loss_modes import high_entropy_mask, policy_loss_mode
 
-    trainer = _trainer(tmp_path, loss_type="grpo", beta=0.0, top_entropy_quantile=0.5)
-    model = trainer.model
-    inputs = _batch(trainer, 0.0)
+    model, inputs, trl_loss, trl_grads = _trl_side(tmp_path, "grpo", top_entropy_quantile=0.5)
     mask = inputs["completion_mask"]
-    model.zero_grad(set_to_none=True)
-    trl_loss = trainer.compute_loss(model, inputs)
-    trl_loss.backward()
-    trl_grads = _grads(model)
-
-    model.zero_grad(set_to_none=True)
     ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
     attention = torch.cat([inputs["prompt_mask"], mask], dim=1)
     p, c = inputs["prompt_ids"].shape[1], inputs["completion_ids"].shape[1]
@@ -365,7 +365,4 @@ def test_top_entropy_masking_matches_trl_compute_loss(tmp_path):
     loss, _ = policy_loss_mode("vanilla", logp, inputs["old_per_token_logps"],
                                inputs["advantages"], mask, agg="seq-mean-token-mean",
                                token_weight=learns)
-    loss.backward()
-    assert abs(trl_loss.item() - loss.item()) < TOL, (trl_loss.item(), loss.item())
-    scale = trl_grads.abs().max().item()
-    assert (trl_grads - _grads(model)).abs().max().item() < TOL * max(1.0, scale)
+    _same_loss_and_grads(model, loss, trl_loss, trl_grads)

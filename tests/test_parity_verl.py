@@ -25,20 +25,16 @@ LABKIT_REQUIRE_PEERS=1 (set by `.ci/run`), which turns the missing peer into a f
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 import torch
 
 from labkit import advantages as adv
 
-if os.environ.get("LABKIT_REQUIRE_PEERS") == "1":
-    from verl.trainer.config import AlgoConfig
-    from verl.trainer.ppo import core_algos as verl
-else:
-    verl = pytest.importorskip("verl.trainer.ppo.core_algos")
-    from verl.trainer.config import AlgoConfig
+from peers import peer
+
+verl = peer("verl.trainer.ppo.core_algos")
+AlgoConfig = peer("verl.trainer.config").AlgoConfig
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 

@@ -19,18 +19,16 @@ seeded alike. Installed by `.ci/run`; skipped without verl unless LABKIT_REQUIRE
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 from labkit.loss_modes import policy_loss_mode
 
-if os.environ.get("LABKIT_REQUIRE_PEERS") == "1":
-    from verl.trainer.ppo import core_algos as verl
-else:
-    verl = pytest.importorskip("verl.trainer.ppo.core_algos")
-from verl.workers.config import ActorConfig, PolicyLossConfig  # noqa: E402
+from peers import peer
+
+verl = peer("verl.trainer.ppo.core_algos")
+ActorConfig = peer("verl.workers.config").ActorConfig
+PolicyLossConfig = peer("verl.workers.config").PolicyLossConfig
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
