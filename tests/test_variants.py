@@ -47,7 +47,7 @@ def test_the_smoke_sweep_runs_and_compares_each_arm_with_the_default(tmp_path):
 def test_arms_table_gives_each_arm_its_seeds_interval_and_finding():
     from labkit import stats
 
-    summary = {"a/seed=0/accuracy_after": 0.5, "a/seed=0/gain": 0.10,
+    summary = {"a/seed=0/accuracy_after": 0.5, "a/seed=0/gain": 0.10, "a/seed=0/collapsed": 1,
                "a/seed=1/accuracy_after": 0.6, "a/seed=1/gain": 0.20,
                "b/seed=0/accuracy_after": 0.7, "b/seed=0/gain": 0.30,
                "b/seed=1/accuracy_after": 0.4, "b/seed=1/gain": 0.00,
@@ -57,5 +57,5 @@ def test_arms_table_gives_each_arm_its_seeds_interval_and_finding():
     rows = lab.arms_table(summary).splitlines()
     assert rows[0].startswith("| arm | accuracy after") and len(rows) == 4
     assert rows[2].startswith(f"| a | {stats.mean_interval([0.5, 0.6]).format(3)} | "
-                              f"{stats.mean_interval([10.0, 20.0]).format(1)} | (baseline)")
-    assert rows[3].endswith("| -0.0 [-1.0, +1.0] | inconclusive at this budget |")
+                              f"{stats.mean_interval([10.0, 20.0]).format(1)} | 1/2 | (baseline)")
+    assert rows[3].endswith("| 0/2 | -0.0 [-1.0, +1.0] | inconclusive at this budget |")

@@ -290,7 +290,8 @@ def live_outputs(run_dir: str | Path, results: Mapping[str, RunResult], **params
 def arms_table(summary: Mapping) -> str:
     """A markdown table of notebook 05's summary.json (`summary`): per arm, the held-out
     accuracy after training and its gain, each the mean over the arm's seeds with its 95%
-    t interval, and the finding against the baseline (paired difference of gains, verdict)."""
+    t interval, the seeds whose run collapsed (of how many), and the finding against the
+    baseline (paired difference of gains, verdict)."""
     from labkit import stats
 
     runs: dict[str, dict[str, dict]] = {}
@@ -307,11 +308,13 @@ def arms_table(summary: Mapping) -> str:
         low, high = summary[f"finding{k}/low"], summary[f"finding{k}/high"]
         findings[arm] = (f"{summary[f'finding{k}/mean']:+.1f} [{low:+.1f}, {high:+.1f}]",
                          summary[f"finding{k}/verdict"])
-    lines = ["| arm | accuracy after | gain (points) | gain - baseline's (points) | verdict |",
-             "|---|---|---|---|---|"]
+    lines = ["| arm | accuracy after | gain (points) | collapsed | gain - baseline's (points) "
+             "| verdict |", "|---|---|---|---|---|---|"]
     for arm, seeds in runs.items():
         after = stats.mean_interval([s["accuracy_after"] for s in seeds.values()])
         gain = stats.mean_interval([100 * s["gain"] for s in seeds.values()])
+        collapsed = sum(int(bool(s.get("collapsed", 0))) for s in seeds.values())
         diff, verdict = findings.get(arm, ("(baseline)", ""))
-        lines.append(f"| {arm} | {after.format(3)} | {gain.format(1)} | {diff} | {verdict} |")
+        lines.append(f"| {arm} | {after.format(3)} | {gain.format(1)} | {collapsed}/{len(seeds)} "
+                     f"| {diff} | {verdict} |")
     return "\n".join(lines)
