@@ -222,7 +222,8 @@ def test_docs_variants_lists_every_registered_estimator_and_loss_mode():
     from labkit.advantages import ESTIMATORS
 
     doc = (Path(__file__).resolve().parents[1] / "docs" / "variants.md").read_text()
-    assert all(f"| `{name}` |" in doc for name in ESTIMATORS), list(ESTIMATORS)
+    ours = [n for n, fn in ESTIMATORS.items() if fn.__module__ == "labkit.advantages"]
+    assert len(ours) >= 13 and all(f"| `{name}` |" in doc for name in ours), ours
     assert all(f"| `{name}" in doc for name in LM.POLICY_LOSSES), list(LM.POLICY_LOSSES)
 
 
