@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from labkit.checks import NonFiniteError, as_float, bool_mask, check_mask
+from labkit.losses import ppo_token_rewards
 from labkit.registry import Registry
 
 # DeepSeekMath's group std / TRL scale_rewards="batch" / none (Dr. GRPO)
@@ -354,15 +355,7 @@ def _token_rewards(x: AdvantageInputs) -> Tensor:
     m = x.token_mask("per-token")
     if x.token_rewards is not None:
         return as_float(x.token_rewards)
-    r = as_float(x.rewards)
-    n, t_len = m.shape
-    pos = torch.arange(t_len, device=r.device).expand(n, t_len)
-    last = torch.where(m, pos, torch.full_like(pos, -1)).amax(1) if t_len else \
-        torch.full((n,), -1, device=r.device)
-    out = torch.zeros(n, t_len, dtype=r.dtype, device=r.device)
-    rows = torch.nonzero(last >= 0).flatten()
-    out[rows, last[rows]] = r[rows]
-    return out
+    return ppo_token_rewards(x.rewards, m)  # PPO's placement of a scalar reward
 
 
 @ESTIMATORS.register("grpo")

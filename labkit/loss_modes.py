@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from labkit.losses import _check_clip, _fraction, _surrogate_inputs, aggregate, clipped_surrogate
+from labkit.metrics import masked_mean
 from labkit.registry import Registry
 
 POLICY_LOSSES = Registry("policy loss", ("inputs",))
@@ -56,13 +57,9 @@ class PolicyInputs:
         return torch.where(self.m, self.logp - self.old_logp, zero)
 
 
-def _masked_mean(x: Tensor, m: Tensor) -> float:
-    return float(x[m].mean()) if m.any() else 0.0
-
-
 def _ratio_stats(ratio: Tensor, m: Tensor) -> dict[str, float]:
     r = ratio.detach()
-    return {"ratio/mean": _masked_mean(r, m), "ratio/max": float(r[m].max()) if m.any() else 0.0}
+    return {"ratio/mean": masked_mean(r, m), "ratio/max": float(r[m].max()) if m.any() else 0.0}
 
 
 @POLICY_LOSSES.register("vanilla")
