@@ -1,13 +1,8 @@
 import json
-import subprocess
-import sys
 
 import pytest
-
-
-def run(*args):
-    return subprocess.run([sys.executable, "-m", "labkit", *args], capture_output=True,
-                          text=True, timeout=300)
+from cli import fresh_process as run
+from cli import in_process
 
 
 def test_eval_prints_figures_and_a_json_last_line():
@@ -30,7 +25,7 @@ def test_eval_prints_figures_and_a_json_last_line():
     (["--digits", "0"], "digits"),
 ])
 def test_eval_bad_input_is_one_clear_line(args, names):
-    done = run("eval", *args)
+    done = in_process("eval", *args)
     assert done.returncode == 2
     assert "Traceback" not in done.stderr
     lines = [line for line in done.stderr.splitlines() if line.strip()]
@@ -38,7 +33,7 @@ def test_eval_bad_input_is_one_clear_line(args, names):
 
 
 def test_unknown_command_is_rejected():
-    done = run("fly")
+    done = in_process("fly")
     assert done.returncode == 2 and "invalid choice" in done.stderr
 
 
@@ -65,7 +60,7 @@ def test_train_help_lists_each_registry_and_literal_choice(capsys):
                                                 "algo='grpo'"]),
 ])
 def test_train_rejects_an_unknown_or_misplaced_estimator_before_any_run(tmp_path, args, words):
-    done = run("train", *args, "--run-dir", str(tmp_path / "run"))
+    done = in_process("train", *args, "--run-dir", str(tmp_path / "run"))
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert all(w in done.stderr for w in words), done.stderr
     assert not (tmp_path / "run").exists()
@@ -79,7 +74,7 @@ def test_train_rejects_an_unknown_or_misplaced_estimator_before_any_run(tmp_path
     ("shaped(beta=0.1)", ["reward=", "shaped takes ['lam']"]),
 ])
 def test_train_rejects_a_bad_reward_in_one_line_before_any_run(tmp_path, reward, words):
-    done = run("train", "--reward", reward, "--run-dir", str(tmp_path / "run"))
+    done = in_process("train", "--reward", reward, "--run-dir", str(tmp_path / "run"))
     assert done.returncode == 2 and "Traceback" not in done.stderr
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error:"), done.stderr

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
+from cli import in_process
 import yaml
 
 from labkit.lab import runner, sweeps
@@ -294,7 +295,7 @@ def test_labkit_run_end_to_end(tmp_path):
 
 
 def test_labkit_run_rejects_a_bad_name_at_once(tmp_path):
-    done = labkit("run", TINY, "-p", "stepz", "2", "--root", tmp_path / "runs", cwd=tmp_path)
+    done = in_process("run", TINY, "-p", "stepz", "2", "--root", tmp_path / "runs", cwd=tmp_path)
     assert done.returncode == 2
     line = one_error_line(done)
     assert all(w in line for w in ["stepz", *TINY_NAMES]), line

@@ -1,10 +1,9 @@
 import json
 import math
-import subprocess
-import sys
 
 import pytest
 import torch
+from cli import fresh_process, in_process
 
 from labkit.config import TrainConfig
 from labkit.rewards import correctness
@@ -148,13 +147,8 @@ def test_run_dir_that_holds_files_is_refused(tmp_path):
         train(TrainConfig(run_dir=str(tmp_path / "busy"), **SMOKE))
 
 
-def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "labkit", "train", *args],
-                          capture_output=True, text=True, timeout=300)
-
-
 def test_train_command_prints_a_json_summary_last(tmp_path):
-    done = _cli("--algo", "grpo", "--steps", "2", "--batch-prompts", "2", "--group-size", "2",
+    done = fresh_process("train", "--algo", "grpo", "--steps", "2", "--batch-prompts", "2", "--group-size", "2",
                 "--eval-n", "8", "--eval-samples", "1", "--cgc-prompts", "2", "--progress",
                 "false", "--run-dir", str(tmp_path / "cli"))
     assert done.returncode == 0, done.stderr
@@ -172,7 +166,7 @@ def test_train_command_prints_a_json_summary_last(tmp_path):
     (["--model", "/no/such/model"], "model"), (["--resume", "/no/such/run"], "config.json"),
 ])
 def test_train_command_bad_input_is_one_clear_line(args, name):
-    done = _cli(*args)
+    done = in_process("train", *args)
     assert done.returncode == 2
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error:") and name in lines[0], done.stderr

@@ -5,12 +5,11 @@ anything, and the command line (`train`, `eval`, `run`, `sweep`) turns a user er
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
+from cli import fresh_process, in_process
 
 from labkit.config import TrainConfig, preflight
 from labkit.rundir import RunLock
@@ -220,8 +219,7 @@ def test_a_pass_at_k_rule_needs_that_k_to_be_logged():
 # --- the command line, in real processes ------------------------------------------------------
 
 def labkit(*args, cwd):
-    return subprocess.run([sys.executable, "-m", "labkit", *map(str, args)], cwd=cwd,
-                          capture_output=True, text=True, timeout=300)
+    return fresh_process(*args, cwd=cwd)
 
 
 def one_error_line(done) -> str:
@@ -290,12 +288,17 @@ CLI_CASES = [
 ]
 
 
+FRESH = {"train-unknown-option", "eval-batch-size", "run-group-size", "sweep-bad-grid"}
+
+
 @pytest.mark.parametrize("make_args, words", [c[1:] for c in CLI_CASES],
                          ids=[c[0] for c in CLI_CASES])
-def test_command_line_errors_are_one_line_before_any_run(tmp_path, make_args, words):
-    """A bad command line in a fresh process: one `error:` line naming the culprit, exit 2,
-    and no run folder anywhere (so no model loaded: a run claims its folder first)."""
-    done = labkit(*make_args(tmp_path), cwd=tmp_path)
+def test_command_line_errors_are_one_line_before_any_run(request, tmp_path, make_args, words):
+    """A bad command line: one `error:` line naming the culprit, exit 2, and no run folder
+    anywhere (so no model loaded: a run claims its folder first). One case of each command
+    runs in a fresh process, the rest in this one."""
+    fresh = request.node.callspec.id in FRESH
+    done = (labkit if fresh else in_process)(*make_args(tmp_path), cwd=tmp_path)
     line = one_error_line(done)
     assert all(str(w) in line for w in words), line
     assert not (tmp_path / "experiments").exists() and not (tmp_path / "runs").exists()
