@@ -107,6 +107,9 @@ METRICS: dict[str, str] = {
         "peak memory in MiB: CUDA memory allocated during the step on a GPU, the process's peak "
         "resident set so far on the CPU",
     "perf/grad_norm": "global L2 norm of the policy gradient before clipping",
+    "perf/eval_s":
+        "wall-clock seconds of the held-out evaluation logged in the same record (greedy, "
+        "sampled and CGC completions)",
     "opt/lr": "learning rate of the policy optimizer at this step",
     "eval/accuracy": "greedy accuracy on the held-out problems",
     "eval/pass@1": "mean correctness of the sampled completions of the held-out problems",

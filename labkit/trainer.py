@@ -105,8 +105,11 @@ class Trainer:
         return _one_step(self.config, self.learner, self.tokenizer, list(problems), step, seed)
 
     def evaluate(self) -> dict:
-        """`run_eval` of the current policy: the held-out figures (`eval/...`)."""
-        return run_eval(self.config, self.policy, self.tokenizer, self.problems)
+        """`run_eval` of the current policy: the held-out figures (`eval/...`) and the
+        seconds they took (`perf/eval_s`)."""
+        start = time.perf_counter()
+        figures = run_eval(self.config, self.policy, self.tokenizer, self.problems)
+        return figures | {"perf/eval_s": time.perf_counter() - start}
 
 
 def _memory_mb(device: torch.device) -> float:

@@ -39,6 +39,8 @@ def test_smoke_run_writes_a_complete_run_directory(tmp_path, algo):
     for step in (0, 2, 3):  # before the first step, every eval_every, and at the end
         assert "eval/accuracy" in records[step] and "eval/pass@2" in records[step]
         assert "eval/cgc" in records[step]
+        assert records[step]["perf/eval_s"] > 0
+    assert "perf/eval_s" not in records[1]  # timed where an evaluation ran, and only there
     saved = json.loads((run / "config.json").read_text())
     assert saved["config"] == config.to_dict()
     assert saved["versions"]["torch"] == torch.__version__

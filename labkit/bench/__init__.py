@@ -136,7 +136,7 @@ def run(args) -> dict:
                                       floor_rounds=1 if getattr(args, "quick", False) else None)
         say("[bench] rollout vs model.generate")
         rollout_work = replace(small, batch_prompts=4, max_new_tokens=64,
-                               steps=max(3, args.steps // 2), warmup=1)
+                               steps=max(2, args.steps // 2), warmup=1)
         results["rollout"] = run_worker("rollout", rollout_work)
         say("[bench] memory: GRPO step, PPO step")
         memory_work = replace(small, steps=2, warmup=0)
@@ -224,7 +224,7 @@ def add_parser(sub) -> None:
                                        "TRL, model.generate and PPO")
     cmd.add_argument("--quick", action="store_true",
                      help="fewer steps (2 timed after 1 warm-up, still 3 rounds) and only the "
-                          "scaling point of the comparison's shape: a first look in 6-7 "
+                          "scaling point of the comparison's shape: a first look in about 5 "
                           "minutes on 2 cores, noisier than the full bench")
     cmd.add_argument("--steps", type=int, default=None,
                      help="timed steps per measurement (default 8, --quick 2)")

@@ -138,6 +138,11 @@ def worker_memory(work: Work, algo: str) -> dict:
     `MEMORY_LR`; each step's completion token count and fingerprint."""
     import torch
 
+    # At MEMORY_LR the critic's zero-initialised value head moves to about 1e-30 in the first
+    # step, and from the second on the critic's gradients are subnormal floats, which an x86
+    # CPU multiplies many times slower (a small-model PPO step took 16x as long). Flushing
+    # them to zero changes no tensor's shape, so no memory figure.
+    torch.set_flush_denormal(True)
     cuda = work.device.startswith("cuda")
     if cuda:
         torch.cuda.reset_peak_memory_stats()
