@@ -137,6 +137,12 @@ class TrainConfig:
     """Sample the rollout at this temperature while the learner scores at `temperature`: a
     sampler-learner mismatch made on purpose, for the corrections below to correct; None
     samples at `temperature`."""
+    sampler_precision: Literal["auto", "bf16"] = "auto"
+    """bf16: the rollout's matrix products and logits run in bf16 while the learner scores in
+    fp32, the mismatch of a bf16 inference engine feeding an fp32 trainer, made on purpose
+    (even for a model small enough that the rollout otherwise stays fp32 on a CPU); the
+    learner's own precision must then be fp32 or auto. auto: the rollout computes as the
+    learner does."""
     mismatch_is: Literal["off", "token", "sequence"] = "off"
     """Importance weights pi_learner / pi_sampler on the policy loss (labkit.mismatch): per
     token, or per sequence (the product); the PPO ratio then uses the learner's old
@@ -311,6 +317,9 @@ class TrainConfig:
                 self.reject_low is not None and self.reject_low > self.reject_high):
             raise ValueError("reject_low and reject_high come together, with reject_low <= "
                              f"reject_high, got {self.reject_low!r}, {self.reject_high!r}")
+        if self.sampler_precision == "bf16" and self.precision == "bf16":
+            raise ValueError("sampler_precision='bf16' makes a mismatch with an fp32 learner; "
+                             "precision='bf16' would sample and learn alike (use fp32 or auto)")
         if self.mismatch_low is not None and self.mismatch_low > self.mismatch_cap:
             raise ValueError(f"mismatch_low={self.mismatch_low} must be <= mismatch_cap="
                              f"{self.mismatch_cap}")
@@ -402,8 +411,8 @@ class TrainConfig:
     def rescores_old(self) -> bool:
         """Whether a step recomputes the old log-probs with the learner (a mismatch to
         measure or correct)."""
-        return (self.sampler_temperature is not None or self.mismatch_is != "off"
-                or self.reject_low is not None)
+        return (self.sampler_temperature is not None or self.sampler_precision != "auto"
+                or self.mismatch_is != "off" or self.reject_low is not None)
 
     @property
     def kl_place(self) -> str:

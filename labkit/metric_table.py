@@ -63,8 +63,9 @@ METRICS: dict[str, str] = {
         "loss dppo_tv / dppo_kl: fraction of unmasked tokens in the region whose weight "
         "min(ratio, clip_c) was truncated",
     "mismatch/ratio_mean":
-        "with a sampler-learner mismatch measured (sampler_temperature, mismatch_is, "
-        "reject_*): mean over real tokens of pi_learner / pi_sampler for the sampled token",
+        "with a sampler-learner mismatch measured (sampler_temperature, sampler_precision, "
+        "mismatch_is, reject_*): mean over real tokens of pi_learner / pi_sampler for the "
+        "sampled token",
     "mismatch/ratio_max": "largest token ratio pi_learner / pi_sampler",
     "mismatch/log_ppl_diff":
         "mean over completions of log-perplexity under the sampler minus under the learner",

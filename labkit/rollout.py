@@ -202,6 +202,12 @@ in the autocast dtype (in fp32 for a small model on a CPU), and it attends over 
 keys once per group when the prompt is long enough for that to pay."""
 
 
+bf16_fast_decoder = fast.decoder_or(model_decoder, dtype=torch.bfloat16)
+"""`fast_decoder` with its matrix products in bf16 for any model (a bf16 sampler, for
+`TrainConfig.sampler_precision`); models it does not cover decode with their own forward, in
+bf16 under the autocast the caller opens."""
+
+
 @torch.no_grad()
 def rollout(model, tokenizer, prompts: Sequence[str], *, group_size: int,
             max_new_tokens: int = 16, temperature: float = 1.0, top_k: int = 0,

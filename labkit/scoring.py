@@ -31,7 +31,8 @@ from torch import Tensor, nn
 from labkit import fast
 from labkit.losses import entropy as entropy_of
 from labkit.reproducible import select_cache_rows, select_rows
-from labkit.rollout import RolloutBatch, cache_keyword, cache_of, fast_decoder, model_decoder
+from labkit.rollout import (RolloutBatch, bf16_fast_decoder, cache_keyword, cache_of,
+                            fast_decoder, model_decoder)
 
 def sequences(batch: RolloutBatch, rows: Tensor | None = None):
     """`(input_ids, attention_mask, position_ids)`, each (n, L), for the given rows (all if None)."""
@@ -132,12 +133,15 @@ class Passes:
     """hidden(stack): the forward of a critic's backbone."""
     decoder: Callable
     """decoder(model, prompt_ids, group_size): what a rollout decodes with."""
+    bf16_decoder: Callable
+    """The same in bf16 whatever the model's size (`TrainConfig.sampler_precision`), under a
+    bf16 autocast that the caller opens."""
 
 
-MODEL_PASSES = Passes(model_forward, model_hidden, model_decoder)
+MODEL_PASSES = Passes(model_forward, model_hidden, model_decoder, model_decoder)
 """Every model through its own forward."""
 
-FAST_PASSES = Passes(fast_forward, fast_hidden, fast_decoder)
+FAST_PASSES = Passes(fast_forward, fast_hidden, fast_decoder, bf16_fast_decoder)
 """labkit.fast's passes for the models they cover, the models' own for the others."""
 
 

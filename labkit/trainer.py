@@ -156,12 +156,16 @@ def _one_step(config, learner, tokenizer, problems, step: int, step_seed: int) -
     policy = learner.accelerator.unwrap_model(learner.policy)
     # one autocast region for the whole rollout: its weight casts (bf16) are made once and
     # reused by every decode step, not redone by each forward
-    with learner.accelerator.autocast():
+    bf16_sampler = config.sampler_precision == "bf16"
+    region = torch.autocast(device.type, dtype=torch.bfloat16) if bf16_sampler \
+        else learner.accelerator.autocast()
+    with region:
         batch = rollout(policy, tokenizer, [p.prompt for p in problems],
                         group_size=config.group_size, max_new_tokens=config.max_new_tokens,
                         temperature=config.sampler_temperature or config.temperature,
-                        top_k=config.top_k, top_p=config.top_p,
-                        seed=step_seed, decoder=learner.passes.decoder)
+                        top_k=config.top_k, top_p=config.top_p, seed=step_seed,
+                        decoder=learner.passes.bf16_decoder if bf16_sampler
+                        else learner.passes.decoder)
     rows = [p for p in problems for _ in range(config.group_size)]  # (N,)
     rewards = torch.tensor(reward_specs.score(config.reward, rows, batch.texts, step_seed),
                            device=device)

@@ -102,6 +102,46 @@ def test_a_sampler_at_another_temperature_is_a_mismatch_the_step_measures():
     assert hot.metrics["mismatch/ratio_max"] > 1.2
 
 
+def test_a_bf16_sampler_is_a_mismatch_the_step_measures():
+    """Sampling with bf16 products while the fp32 learner rescores: the same tokens get
+    slightly different log-probs (bf16 keeps 8 bits of mantissa), far less apart than a
+    sampler at another temperature."""
+    _, cold = _step(sampler_precision="bf16")
+    _, hot = _step(sampler_temperature=1.5)
+    gap = abs(cold.metrics["mismatch/log_ppl_diff"])
+    assert 0 < gap < abs(hot.metrics["mismatch/log_ppl_diff"])
+    assert 1 < cold.metrics["mismatch/ratio_max"] < hot.metrics["mismatch/ratio_max"]
+
+
+def test_the_bf16_decoder_computes_in_bf16_even_for_a_small_model(tiny):
+    """The embedded model is small enough that the rollout keeps it in fp32 under autocast;
+    the bf16 sampler's decoder does not, and its log-probs of the same greedy tokens move by
+    bf16 rounding, not more."""
+    from labkit.fast import decoder
+    from labkit.rollout import bf16_fast_decoder, rollout
+
+    model, tokenizer = tiny
+    prompts = ["12+34=", "7+8=", "40+2=", "55+5="]
+    dtypes = []
+    real_init = decoder.Decoder.__init__
+
+    def spy(self, model, dtype=torch.float32, **kwargs):
+        dtypes.append(dtype)
+        real_init(self, model, dtype, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(decoder.Decoder, "__init__", spy)
+        exact = rollout(model, tokenizer, prompts, group_size=2, greedy=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            rounded = rollout(model, tokenizer, prompts, group_size=2, greedy=True,
+                              decoder=bf16_fast_decoder)
+    assert dtypes == [torch.float32, torch.bfloat16]
+    same = (exact.completion_ids == rounded.completion_ids).all(-1)
+    assert same.sum() >= 4  # most greedy rows agree token for token
+    diff = (exact.old_logprobs - rounded.old_logprobs)[same].abs()
+    assert 1e-5 < diff.max() < 0.25
+
+
 @pytest.mark.parametrize("fields", [
     dict(mismatch_is="token", mismatch_cap=1.5),
     dict(mismatch_is="sequence", mismatch_cap=2.0),
@@ -126,3 +166,5 @@ def test_mismatch_options_are_checked_with_the_config():
         TrainConfig(reject_low=0.5)
     with pytest.raises(ValueError, match="mismatch_low=3.0 must be <= mismatch_cap=2.0"):
         TrainConfig(mismatch_is="token", mismatch_low=3.0)
+    with pytest.raises(ValueError, match="sampler_precision='bf16' makes a mismatch with an fp32"):
+        TrainConfig(sampler_precision="bf16", precision="bf16")

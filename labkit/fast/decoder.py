@@ -40,11 +40,13 @@ def rollout_dtype(model) -> torch.dtype:
     return compute_dtype(model)
 
 
-def decoder_or(plain: Callable, shared_prefix: bool | None = None) -> Callable:
+def decoder_or(plain: Callable, shared_prefix: bool | None = None,
+               dtype: torch.dtype | None = None) -> Callable:
     """start(model, prompt_ids, group_size): a `Decoder` where `unsupported(model)` is None,
     else `plain(model, prompt_ids, group_size)`. `shared_prefix` None reads each prompt's
     keys once per group when the prompt is long enough for that to pay
-    (`SHARED_PREFIX_MIN_TOKENS`)."""
+    (`SHARED_PREFIX_MIN_TOKENS`). `dtype` None computes in `rollout_dtype(model)`; a dtype
+    forces the products into it whatever the model's size."""
 
     def start(model, prompt_ids: Tensor, group_size: int):
         if unsupported(model) is not None:
@@ -52,7 +54,8 @@ def decoder_or(plain: Callable, shared_prefix: bool | None = None) -> Callable:
         shared = shared_prefix
         if shared is None:
             shared = group_size > 1 and prompt_ids.shape[1] >= SHARED_PREFIX_MIN_TOKENS
-        return Decoder(model, rollout_dtype(model), shared_prefix=shared, checked=True)
+        return Decoder(model, dtype or rollout_dtype(model), shared_prefix=shared,
+                       checked=True)
     return start
 
 
