@@ -14,6 +14,7 @@ that sampled) and the advantages are constants. rho_t = exp(logp_t - old_logp_t)
 from __future__ import annotations
 
 import inspect
+import math
 import re
 from dataclasses import dataclass
 
@@ -254,6 +255,30 @@ def dro(x: PolicyInputs, *, beta: float = 0.1) -> tuple[Tensor, dict]:
     return _zero_padding(per_token, x.m), _ratio_stats(torch.exp(log_ratio), x.m)
 
 
+@POLICY_LOSSES.register("vespo")
+def vespo(x: PolicyInputs, *, k_pos: float = 2.0, lambda_pos: float = 3.0, k_neg: float = 3.0,
+          lambda_neg: float = 2.0) -> tuple[Tensor, dict]:
+    """VESPO, a smooth gamma-shaped weight on the sequence's importance weight instead of a
+    hard clip (VESPO, 2026; TRL loss_type="vespo"): -sg(phi(w)) A logp with w = prod_t rho_t
+    (the product, not GSPO's geometric mean) and phi(w) = e^lambda w^k e^(-lambda w), so
+    phi(1) = 1 and a sequence far from the sampler on either side fades out; k, lambda are
+    k_pos, lambda_pos where A >= 0, else k_neg, lambda_neg. As TRL: each log rho_t clamped to
+    [-20, 20] and log w to [log 1e-8, 20]. TRL's defaults; k >= 0, lambda > 0."""
+    for name, value, low in (("k_pos", k_pos, 0.0), ("k_neg", k_neg, 0.0),
+                             ("lambda_pos", lambda_pos, None), ("lambda_neg", lambda_neg, None)):
+        if not (value >= low if low is not None else value > 0):
+            raise ValueError(f"vespo: {name} must be {'>= 0' if low is not None else '> 0'}, "
+                             f"got {value!r}")
+    log_ratio = x.log_ratio().detach()
+    log_w = log_ratio.clamp(-20.0, 20.0).sum(-1, keepdim=True).clamp(math.log(1e-8), 20.0)
+    nonneg = x.a >= 0
+    k = torch.where(nonneg, torch.full_like(x.a, k_pos), torch.full_like(x.a, k_neg))
+    lam = torch.where(nonneg, torch.full_like(x.a, lambda_pos), torch.full_like(x.a, lambda_neg))
+    phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(0.0, 0.0, 0.0)
+    per_token = -phi * x.a * x.logp
+    return _zero_padding(per_token, x.m), _ratio_stats(torch.exp(log_ratio), x.m)
+
+
 def _zero_padding(per_token: Tensor, m: Tensor) -> Tensor:
     return torch.where(m, per_token, torch.zeros((), dtype=per_token.dtype,
                                                  device=per_token.device))
@@ -353,4 +378,4 @@ def policy_loss_mode(spec: str, logp: Tensor, old_logp: Tensor, advantages: Tens
 __all__ = ["POLICY_LOSSES", "PolicyInputs", "LOSS_SPECS", "LossSpecs", "parse_loss",
            "options_of", "policy_loss_mode", "high_entropy_mask", "vanilla", "dual_clip",
            "gspo", "cispo", "sapo", "gpg", "clip_cov", "kl_cov", "geo_mean", "dppo_tv",
-           "dppo_kl", "dro"]
+           "dppo_kl", "dro", "vespo"]

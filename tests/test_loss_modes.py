@@ -47,6 +47,15 @@ def ref_per_token(name, lp, old, a, mask, eps_low=0.2, eps_high=0.28, **opt):
             for t in ts:
                 out[i][t] = value
             continue
+        if name == "vespo":  # one weight per sequence from the product of its ratios
+            log_w = sum(min(max(lp[i][t] - old[i][t], -20.0), 20.0) for t in ts)
+            log_w = min(max(log_w, math.log(1e-8)), 20.0)
+            for t in ts:
+                k, lam = (opt["k_pos"], opt["lambda_pos"]) if a[i][t] >= 0 else \
+                    (opt["k_neg"], opt["lambda_neg"])
+                phi = math.exp(lam) * math.exp(log_w) ** k * math.exp(-lam * math.exp(log_w))
+                out[i][t] = -phi * a[i][t] * lp[i][t]
+            continue
         for t in ts:
             r = math.exp(lp[i][t] - old[i][t])
             A, logp = a[i][t], lp[i][t]
@@ -93,7 +102,8 @@ def ref_aggregate(per_token, mask, agg):
 
 SPECS = {"dual_clip": {"c": 1.5}, "cispo": {}, "sapo": {"tau_pos": 0.7, "tau_neg": 1.3},
          "gpg": {}, "dro": {"beta": 0.4}, "dppo_tv": {"clip_c": 1.5},
-         "dppo_kl": {"clip_c": 1.5}, "geo_mean": {}}
+         "dppo_kl": {"clip_c": 1.5}, "geo_mean": {},
+         "vespo": {"k_pos": 1.5, "lambda_pos": 2.5, "k_neg": 2.0, "lambda_neg": 1.5}}
 
 
 def _spec(name, opts):
@@ -163,7 +173,7 @@ def test_clip_cov_drops_the_budget_of_tokens_and_kl_cov_penalises_the_top_covari
 def test_the_registry_lists_every_mode_with_its_paper_and_options():
     assert list(LM.POLICY_LOSSES) == ["vanilla", "dual_clip", "gspo", "cispo", "sapo", "gpg",
                                       "clip_cov", "kl_cov", "geo_mean", "dppo_tv", "dppo_kl",
-                                      "dro"]
+                                      "dro", "vespo"]
     text = LM.LOSS_SPECS.describe("\n")
     assert "sapo(tau_pos=1, tau_neg=1.05): SAPO" in text and "dro(beta=0.1)" in text
     assert all("(" in line and any(ch.isdigit() for ch in line) for line in text.splitlines()
@@ -175,6 +185,8 @@ def test_the_registry_lists_every_mode_with_its_paper_and_options():
     ("sapo(tau_pos=x)", ["option tau_pos must be a number"]),
     ("sapo(tau_pos=0)", ["tau_pos must be > 0"]),
     ("dro(beta=-1)", ["beta must be > 0"]),
+    ("vespo(lambda_neg=0)", ["vespo: lambda_neg must be > 0"]),
+    ("vespo(k_pos=-1)", ["vespo: k_pos must be >= 0"]),
     ("nope", ["loss must be one of ['vanilla'"]),
     ("sapo(", ["loss must be a loss mode name or name(option=value, ...)"]),
 ])
@@ -198,7 +210,8 @@ def test_config_checks_the_loss_and_its_combinations():
 
 
 @pytest.mark.parametrize("loss", ["dual_clip", "gspo", "cispo", "sapo", "gpg", "clip_cov",
-                                  "kl_cov", "geo_mean", "dppo_tv", "dppo_kl", "dro(beta=0.5)"])
+                                  "kl_cov", "geo_mean", "dppo_tv", "dppo_kl", "dro(beta=0.5)",
+                                  "vespo"])
 def test_every_loss_mode_trains_a_step(loss):
     """Two passes over one batch (so the ratio leaves 1) with each mode, on a step whose groups
     have mixed rewards: finite losses, a gradient, and the policy moved."""

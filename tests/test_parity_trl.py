@@ -298,6 +298,7 @@ def test_grpo_advantages_match_trl(scale, tmp_path):
 #            0.999 (a bound of 0.001 that no ratio here reaches); aggregated as dapo (token-mean)
 #   sapo  -> loss "sapo(tau_pos, tau_neg)" = sapo_temperature_pos / _neg, seq-mean-token-mean
 #   luspo -> loss "gspo" (sequence ratio) with agg "seq-mean-token-sum"
+#   vespo -> loss "vespo(k_pos, lambda_pos, k_neg, lambda_neg)" = vespo_*, token-mean (as dapo)
 MODE_CASES = [
     ("cispo", {"epsilon_high": 1.3}, "cispo", {"eps_low": 0.999, "eps_high": 0.3}, "token-mean"),
     ("sapo", {"sapo_temperature_pos": 1.0, "sapo_temperature_neg": 1.05},
@@ -306,6 +307,10 @@ MODE_CASES = [
      "sapo(tau_pos=0.5, tau_neg=2)", {}, "seq-mean-token-mean"),
     ("luspo", {"importance_sampling_level": "sequence", "epsilon_high": 0.28}, "gspo",
      {"eps_high": 0.28}, "seq-mean-token-sum"),
+    ("vespo", {}, "vespo", {}, "token-mean"),
+    ("vespo", {"vespo_k_pos": 1.0, "vespo_lambda_pos": 1.5, "vespo_k_neg": 2.0,
+               "vespo_lambda_neg": 1.0},
+     "vespo(k_pos=1, lambda_pos=1.5, k_neg=2, lambda_neg=1)", {}, "token-mean"),
 ]
 
 
@@ -332,8 +337,8 @@ def _same_loss_and_grads(model, loss, trl_loss, trl_grads):
 
 @pytest.mark.parametrize("case", MODE_CASES, ids=[f"{c[0]}-{c[2]}" for c in MODE_CASES])
 def test_loss_modes_match_trl_compute_loss(case, tmp_path):
-    """TRL's cispo, sapo and luspo loss types against labkit's loss modes on the same batch:
-    the loss and the gradient of every weight, to 1e-6 (float32, as TRL computes)."""
+    """TRL's cispo, sapo, luspo and vespo loss types against labkit's loss modes on the same
+    batch: the loss and the gradient of every weight, to 1e-6 (float32, as TRL computes)."""
     from labkit.loss_modes import policy_loss_mode
 
     loss_type, extra, spec, clip, agg = case
