@@ -101,3 +101,15 @@ def test_bad_options_are_one_clear_line(capsys):
         with pytest.raises(SystemExit) as stop:
             AT.main(argv)
         assert stop.value.code == 2 and words in capsys.readouterr().err
+
+
+def test_the_figure_draws_each_side_against_samples_with_its_interval():
+    rows = AT.compare({"labkit": {0: {0: 0.3, 5: 0.4}, 1: {0: 0.3, 5: 0.5}},
+                       "trl": {0: {0: 0.3, 5: 0.45}, 1: {0: 0.3, 5: 0.35}}})
+    fig = AT.figure(rows, samples_per_step=256)
+    assert [t.name for t in fig.data] == ["labkit", "TRL GRPOTrainer"]
+    labkit = fig.data[0]
+    assert list(labkit.x) == [0, 5 * 256] and list(labkit.y) == pytest.approx([0.3, 0.45])
+    mean = stats.mean_interval([0.4, 0.5])
+    assert labkit.error_y.array[1] == pytest.approx(mean.high - mean.mean)
+    assert labkit.error_y.arrayminus[1] == pytest.approx(mean.mean - mean.low)

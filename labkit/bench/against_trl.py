@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -157,6 +158,40 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def figure(rows: list[dict], samples_per_step: int):
+    """Both sides' held-out accuracy against the completions sampled so far: the mean over
+    seeds with its 95% interval as error bars (a plotly Figure)."""
+    import plotly.graph_objects as go
+
+    fig = go.Figure()
+    xs = [r["step"] * samples_per_step for r in rows]
+    for side, name in (("labkit", "labkit"), ("trl", "TRL GRPOTrainer")):
+        mean = [r[side]["mean"] for r in rows]
+        up = [r[side]["high"] - m if math.isfinite(r[side]["high"]) else 0.0
+              for r, m in zip(rows, mean)]
+        down = [m - r[side]["low"] if math.isfinite(r[side]["low"]) else 0.0
+                for r, m in zip(rows, mean)]
+        fig.add_trace(go.Scatter(x=xs, y=mean, name=name, mode="lines+markers",
+                                 error_y=dict(type="data", symmetric=False, array=up,
+                                              arrayminus=down)))
+    n = rows[0]["labkit"]["n"] if rows else 0
+    fig.update_layout(title=f"labkit against TRL, GRPO on the embedded task ({n} seeds, "
+                            "95% intervals)", xaxis_title="completions sampled",
+                      yaxis_title="held-out greedy accuracy", width=720, height=420)
+    return fig
+
+
+def write_figure(rows: list[dict], samples_per_step: int, path: str | Path) -> bool:
+    """`figure` as a static SVG at `path` (kaleido through a local Chrome or Chromium);
+    False, with a line on stderr, where it cannot export."""
+    try:
+        figure(rows, samples_per_step).write_image(str(path), format="svg")
+    except Exception as e:  # noqa: BLE001 - no kaleido, or no browser for it
+        print(f"note: no figure ({e}); install labkit[figures] for it", file=sys.stderr)
+        return False
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m labkit.bench.against_trl",
                                      description=__doc__.split("\n")[0])
@@ -182,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr, flush=True)
     rows = compare(curves)
     (out / "summary.json").write_text(json.dumps({"curves": curves, "rows": rows}, indent=1))
+    write_figure(rows, config.rows, out / "curves.svg")
     print(table(rows))
     return 0
 
