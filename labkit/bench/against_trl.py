@@ -68,7 +68,7 @@ def trl_args(config: TrainConfig, out: str):
         lr_scheduler_type="cosine_with_min_lr" if config.schedule == "cosine" else
         "constant_with_warmup",
         lr_scheduler_kwargs={"min_lr_rate": config.min_lr_ratio}
-        if config.schedule == "cosine" else None,
+        if config.schedule == "cosine" else {},
         weight_decay=config.weight_decay, max_grad_norm=config.max_grad_norm,
         beta=config.beta, epsilon=config.eps_low, epsilon_high=config.eps_high,
         loss_type="dapo", scale_rewards="group", temperature=config.temperature,
