@@ -422,3 +422,17 @@ def test_rounds_to_stable_counts_the_rounds_after_which_the_median_stays_put(rat
     want = min(k for k in range(1, len(ratios) + 1)
                if all(abs(med(ratios[:j]) / final - 1) <= 0.05 for j in range(k, len(ratios) + 1)))
     assert got == want == stable
+
+
+def test_the_memory_worker_leaves_subnormal_floats_as_it_found_them():
+    """It flushes subnormals to zero while it runs (a CPU-wide flag); a caller in the same
+    process must get IEEE arithmetic back."""
+    from labkit.models import EMBEDDED_PATH
+
+    tiny_normal = torch.tensor([1e-38], dtype=torch.float32)
+    assert (tiny_normal / 1e3).item() > 0  # a subnormal, not flushed
+    work = inputs.Work(str(EMBEDDED_PATH), ("1+1=", "2+2="), ("2", "4"), max_new_tokens=4, steps=1, warmup=0,
+                       batch_prompts=1, group_size=2, beta=0.04, device="cpu",
+                       precision="fp32", gradient_checkpointing=False)
+    workers.worker_memory(work, "grpo")
+    assert (tiny_normal / 1e3).item() > 0

@@ -141,18 +141,23 @@ def worker_memory(work: Work, algo: str) -> dict:
     # At MEMORY_LR the critic's zero-initialised value head moves to about 1e-30 in the first
     # step, and from the second on the critic's gradients are subnormal floats, which an x86
     # CPU multiplies many times slower (a small-model PPO step took 16x as long). Flushing
-    # them to zero changes no tensor's shape, so no memory figure.
+    # them to zero changes no tensor's shape, so no memory figure. The flag is the CPU's,
+    # global to the process: set back on the way out (a caller in the same process, such as
+    # a test, keeps IEEE subnormals).
     torch.set_flush_denormal(True)
-    cuda = work.device.startswith("cuda")
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-    else:
-        base = _rss_mb()
-    trainer = labkit_trainer(work, algo, lr=MEMORY_LR, critic_lr=MEMORY_LR)
-    times = step_times(trainer, work, work.steps, 0)
-    peak = torch.cuda.max_memory_allocated() / 2**20 - base / 2**20 if cuda \
-        else _peak_rss_mb() - base
+    try:
+        cuda = work.device.startswith("cuda")
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+        else:
+            base = _rss_mb()
+        trainer = labkit_trainer(work, algo, lr=MEMORY_LR, critic_lr=MEMORY_LR)
+        times = step_times(trainer, work, work.steps, 0)
+        peak = torch.cuda.max_memory_allocated() / 2**20 - base / 2**20 if cuda \
+            else _peak_rss_mb() - base
+    finally:
+        torch.set_flush_denormal(False)
     return {"peak_growth_mb": peak, "algo": algo, "lr": trainer.config.lr,
             "tokens": times["tokens"], "completions": times["completions"]}
 
