@@ -22,7 +22,7 @@ from labkit.config import TrainConfig
 from labkit.loss_modes import high_entropy_mask, policy_loss_mode
 from labkit.metrics import masked_mean
 from labkit.rollout import RolloutBatch
-from labkit.scoring import FAST_PASSES, Passes, token_logprobs, token_values
+from labkit.scoring import FAST_PASSES, Passes, token_logprobs, token_scores, token_values
 
 
 @dataclass
@@ -129,11 +129,16 @@ def policy_terms(config: TrainConfig, learner: Learner, batch: RolloutBatch, mic
                  advantages: Tensor, ref_logp: Tensor | None,
                  token_weight: Tensor | None = None) -> tuple[Tensor, dict]:
     """The policy's loss on rows `micro`: the loss mode `config.loss` (the clipped surrogate
-    by default; REINFORCE with `reinforce`) + beta KL - entropy."""
+    by default; REINFORCE with `reinforce`) + beta KL - entropy. ref_logp: (N, T), or the
+    reference's log-distributions (N, T, V) for kl_kind full."""
     want_entropy_grad = config.entropy_coef > 0
-    logp, ent = token_logprobs(learner.policy, batch, micro, temperature=config.temperature,
-                               with_entropy=True, entropy_grad=want_entropy_grad,
-                               share_prompt=config.share_prompt, forward=learner.passes.lm)
+    kl_in_loss = ref_logp is not None and config.kl_place == "loss"
+    full_kl = kl_in_loss and config.kl_estimator == "full"
+    scores = token_scores(learner.policy, batch, micro, temperature=config.temperature,
+                          with_entropy=True, entropy_grad=want_entropy_grad,
+                          distribution=full_kl, share_prompt=config.share_prompt,
+                          forward=learner.passes.lm)
+    logp, ent = scores.logp, scores.entropy
     mask = batch.completion_mask[micro]
     agg = dict(agg=config.agg, max_len=config.max_new_tokens)
     A = advantages[micro]
@@ -156,8 +161,9 @@ def policy_terms(config: TrainConfig, learner: Learner, batch: RolloutBatch, mic
             stats["clip/total"] = stats["clip/low"] + stats["clip/high"]
     total = pg
     stats = {**stats, "loss/policy": pg.item(), "policy/entropy": masked_mean(ent, mask)}
-    if ref_logp is not None and config.kl_place == "loss":
-        kl_t = losses.kl(logp, ref_logp[micro], config.kl_estimator)
+    if kl_in_loss:
+        kl_t = losses.kl(scores.log_dist if full_kl else logp, ref_logp[micro],
+                         config.kl_estimator)
         kl_loss = losses.aggregate(kl_t, mask, **agg)
         total = total + learner.beta * kl_loss
         stats |= {"loss/kl": learner.beta * kl_loss.item(),
@@ -233,23 +239,50 @@ def update(config: TrainConfig, learner: Learner, batch: RolloutBatch, rows: Ten
 
 
 def _reference_logprobs(config: TrainConfig, learner: Learner, batch: RolloutBatch):
+    """The reference's log-probs of the sampled tokens (N, T), or for kl_kind full its
+    log-distributions (N, T, V); None without a reference."""
     if learner.reference is None:
         return None
-    # inference mode: no autograd bookkeeping on the frozen model's operations
+    return _no_grad_scores(config, learner.reference, learner, batch,
+                           distribution=config.kl_estimator == "full")
+
+
+def _no_grad_scores(config: TrainConfig, model, learner: Learner, batch: RolloutBatch, *,
+                    distribution: bool) -> Tensor:
+    # inference mode: no autograd bookkeeping on a pass nothing differentiates
     with torch.inference_mode(), learner.accelerator.autocast():
-        logp, _ = token_logprobs(learner.reference, batch, temperature=config.temperature,
-                                 share_prompt=config.share_prompt, forward=learner.passes.lm)
-    return logp.clone()  # an ordinary tensor, which the loss may keep for its backward
+        scores = token_scores(model, batch, temperature=config.temperature,
+                              distribution=distribution, share_prompt=config.share_prompt,
+                              forward=learner.passes.lm)
+    out = scores.log_dist if distribution else scores.logp
+    return out.clone()  # an ordinary tensor, which the loss may keep for its backward
+
+
+def sampling_side(config: TrainConfig, learner: Learner, batch: RolloutBatch) -> Tensor:
+    """The sampling policy's side of its KL to the reference: its log-probs (N, T), or for
+    kl_kind full its log-distributions (N, T, V), one no-grad pass of the policy before the
+    update (the rollout keeps only the sampled tokens' log-probs)."""
+    if config.kl_estimator != "full":
+        return batch.old_logprobs
+    return _no_grad_scores(config, learner.policy, learner, batch, distribution=True)
+
+
+def _sampled(batch: RolloutBatch, logp: Tensor) -> Tensor:
+    """Log-probs (N, T) of the sampled tokens: `logp` itself, or gathered from (N, T, V)."""
+    if logp.dim() == 2:
+        return logp
+    return logp.gather(-1, batch.completion_ids[..., None]).squeeze(-1)
 
 
 def kl_k1(batch: RolloutBatch, ref_logp: Tensor | None) -> dict:
     """`policy/kl_k1`: mean over real tokens of k1 = logp_old - ref_logp (N, T), the sampling
     log-probs against the reference before the update (Schulman's k1, unbiased); the same
-    quantity for GRPO and PPO whatever their kl_kind. {} without a reference."""
+    quantity for GRPO and PPO whatever their kl_kind (ref_logp may be (N, T, V)). {}
+    without a reference."""
     if ref_logp is None:
         return {}
-    mask = batch.completion_mask
-    return {"policy/kl_k1": masked_mean(losses.kl(batch.old_logprobs, ref_logp, "k1"), mask)}
+    mask, ref = batch.completion_mask, _sampled(batch, ref_logp)
+    return {"policy/kl_k1": masked_mean(losses.kl(batch.old_logprobs, ref, "k1"), mask)}
 
 
 def rescore(config: TrainConfig, learner: Learner,
@@ -290,9 +323,10 @@ def grpo_step(config: TrainConfig, learner: Learner, batch: RolloutBatch, reward
     mask = batch.completion_mask
     in_reward = config.kl_place == "reward" and learner.reference is not None
     ref_logp = _reference_logprobs(config, learner, batch) if in_reward else None
-    token_rewards = None
+    token_rewards = old = None
     if in_reward:  # the reward seen by the estimator; the logged reward stays the task's
-        token_rewards = losses.ppo_token_rewards(rewards, mask, logp=batch.old_logprobs,
+        old = sampling_side(config, learner, batch)
+        token_rewards = losses.ppo_token_rewards(rewards, mask, logp=old,
                                                  ref_logp=ref_logp, beta=learner.beta,
                                                  kind=config.kl_estimator)
         estimator = adv.ESTIMATORS.resolve(config.estimator, "estimator")
@@ -309,22 +343,23 @@ def grpo_step(config: TrainConfig, learner: Learner, batch: RolloutBatch, reward
     stats |= kl_k1(batch, ref_logp)
     stats |= update(config, learner, batch, rows, advantages, step_seed, ref_logp=ref_logp,
                     token_weight=weights)
-    stats |= adapt_beta(config, learner, batch, ref_logp)
+    stats |= adapt_beta(config, learner, batch, ref_logp, old)
     return StepOutput(advantages, stats)
 
 
 def adapt_beta(config: TrainConfig, learner: Learner, batch: RolloutBatch,
-               ref_logp: Tensor | None) -> dict:
+               ref_logp: Tensor | None, old: Tensor | None = None) -> dict:
     """`policy/beta`, the KL coefficient this step used, and with kl_target the controller's
     move of `learner.beta` for the next step (KL: the step's mean per-token estimate of the
-    sampling policy, kind kl_estimator, over sequences then rows, as verl). {} without a
-    reference."""
+    sampling policy, kind kl_estimator, over sequences then rows, as verl; `old` is
+    `sampling_side`'s, computed here when not given). {} without a reference."""
     if ref_logp is None:
         return {}
     stats = {"policy/beta": learner.beta}
     if config.kl_target is not None:
         mask = batch.completion_mask
-        kl_t = losses.kl(batch.old_logprobs, ref_logp, config.kl_estimator, mask=mask)
+        old = sampling_side(config, learner, batch) if old is None else old
+        kl_t = losses.kl(old, ref_logp, config.kl_estimator, mask=mask)
         per_row = kl_t.sum(1) / mask.sum(1).clamp(min=1)
         learner.beta = losses.adaptive_beta(learner.beta, float(per_row.mean()),
                                             config.kl_target, config.kl_horizon,
@@ -348,8 +383,9 @@ def ppo_step(config: TrainConfig, learner: Learner, batch: RolloutBatch, rewards
         old_values = token_values(learner.critic, batch, share_prompt=config.share_prompt)
     old_values = old_values.float().clone()  # (N, T), an ordinary tensor
     in_reward = ref_logp is not None and config.kl_place == "reward"
+    old = sampling_side(config, learner, batch) if in_reward else None
     token_rewards = losses.ppo_token_rewards(
-        rewards, mask, logp=batch.old_logprobs if in_reward else None,
+        rewards, mask, logp=old,
         ref_logp=ref_logp if in_reward else None, beta=learner.beta if in_reward else 0.0,
         kind=config.kl_estimator)
     estimator = adv.ESTIMATORS.resolve(config.estimator, "estimator")  # gae by default
@@ -364,8 +400,7 @@ def ppo_step(config: TrainConfig, learner: Learner, batch: RolloutBatch, rewards
                    ref_logp=None if in_reward else ref_logp, old_values=old_values,
                    returns=returns)
     if in_reward:
-        stats["policy/kl"] = masked_mean(losses.kl(batch.old_logprobs, ref_logp,
-                                                   config.kl_estimator), mask)
+        stats["policy/kl"] = masked_mean(losses.kl(old, ref_logp, config.kl_estimator), mask)
     stats |= kl_k1(batch, ref_logp)
-    stats |= adapt_beta(config, learner, batch, ref_logp)
+    stats |= adapt_beta(config, learner, batch, ref_logp, old)
     return StepOutput(advantages, stats, values=old_values, returns=returns)

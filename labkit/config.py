@@ -124,11 +124,13 @@ class TrainConfig:
     1, -0.2, 0.2) * N / kl_horizon, KL the step's mean per-token estimate; None keeps beta."""
     kl_horizon: int = bounded(10000, ge=1)
     """Adaptive KL: the horizon, in completions, over which beta moves by up to 20%."""
-    kl_kind: Literal["auto", "k1", "k2", "k3", "abs", "k1+", "k3+", "abs+"] = "auto"
+    kl_kind: Literal["auto", "k1", "k2", "k3", "abs", "k1+", "k3+", "abs+", "full"] = "auto"
     """KL estimator of labkit.losses.kl; auto picks per algorithm, as the papers do: k3 in
     GRPO's loss (DeepSeekMath; unbiased and >= 0), k1 = logp - ref_logp in PPO's reward
     (InstructGPT, Ouyang et al. 2022). An explicit kind wins (`kl_estimator`): abs = |log
-    ratio|; k1+, k3+, abs+ keep their base kind's value with k2's gradient (verl)."""
+    ratio|; k1+, k3+, abs+ keep their base kind's value with k2's gradient (verl); full is
+    the exact KL over the vocabulary at each state (keeps the reference's (N, T, V)
+    log-distributions, so its memory grows with the vocabulary)."""
     entropy_coef: float = bounded(0.0, ge=0)
     """Entropy bonus: loss - entropy_coef * mean entropy."""
     dynamic_sampling: bool = False

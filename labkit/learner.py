@@ -124,6 +124,25 @@ def adamw(parameters, lr: float, weight_decay: float) -> torch.optim.AdamW:
         return torch.optim.AdamW(parameters, lr=lr, weight_decay=weight_decay)
 
 
+FULL_KL_MAX_BYTES = 4 << 30
+"""kl_kind="full" refuses a step whose stored log-distributions would exceed this."""
+
+
+def check_full_kl_memory(config: TrainConfig, vocab: int) -> None:
+    """kl_kind="full" keeps the reference's log-distribution over the vocabulary for every
+    completion token of a step (fp32, rows x max_new_tokens x V), and the sampling policy's
+    too when the KL is in the reward or beta adapts: refuse a step that would hold more
+    than FULL_KL_MAX_BYTES, before any model runs."""
+    copies = 2 if config.kl_place == "reward" or config.kl_target is not None else 1
+    need = copies * config.rows * config.max_new_tokens * vocab * 4
+    if need > FULL_KL_MAX_BYTES:
+        raise ValueError(
+            f"kl_kind='full' would hold {need / 2**30:.1f} GiB of log-distributions a step "
+            f"({copies} x rows {config.rows} x max_new_tokens {config.max_new_tokens} x "
+            f"vocabulary {vocab} x 4 bytes; limit {FULL_KL_MAX_BYTES / 2**30:.0f} GiB): use a "
+            "sampled estimator (k3, k2, k1) or fewer rows or tokens")
+
+
 def build_learner(config: TrainConfig, accelerator):
     """Policy (+ frozen reference when beta > 0, + critic for PPO), optimizers, schedules."""
     from labkit.models import load
@@ -131,6 +150,8 @@ def build_learner(config: TrainConfig, accelerator):
 
     policy, tokenizer = load(config.model, device=accelerator.device, dtype="fp32")
     reference = None
+    if config.beta > 0 and config.kl_estimator == "full":
+        check_full_kl_memory(config, policy.get_output_embeddings().weight.shape[0])
     if config.beta > 0:
         # frozen: under bf16 autocast its products run in bf16 anyway, so it is held in bf16
         # (half the memory); only its norm weights round differently from an fp32 copy

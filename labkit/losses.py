@@ -23,9 +23,10 @@ from labkit.registry import Registry
 
 Level = Literal["token", "sequence"]
 LEVELS = get_args(Level)  # PPO's per-token ratio / GSPO's per-sequence ratio
-KlKind = Literal["k1", "k2", "k3", "abs", "k1+", "k3+", "abs+"]
-KL_KINDS = get_args(KlKind)  # Schulman's estimators (k3 is DeepSeekMath's), |log ratio|, and
-KL_VALUES = ("k1", "k2", "k3", "abs")  # the "+" forms: a value of k1/k3/abs, k2's gradient
+KlKind = Literal["k1", "k2", "k3", "abs", "k1+", "k3+", "abs+", "full"]
+KL_KINDS = get_args(KlKind)  # Schulman's estimators (k3 is DeepSeekMath's), |log ratio|, the
+KL_VALUES = ("k1", "k2", "k3", "abs")  # "+" forms (a value of k1/k3/abs, k2's gradient) and
+# the exact KL over the vocabulary (full), which reads whole distributions, not sampled tokens
 
 AGG_MODES = Registry("loss aggregation mode", ("masked", "mask"), ("max_len",))
 """How per-token losses become one number: `fn(masked, mask, *, max_len) -> scalar`, with
@@ -208,9 +209,17 @@ def kl(logp: Tensor, ref_logp: Tensor, kind: KlKind = "k3", *,
     verl's straight-through) has the value of its base kind and the gradient of k2, whose
     expected gradient is the true KL's (the others' is not, Schulman's note). ref_logp is
     detached; gradient flows through logp. With `mask`, masked tokens are 0.
+
+    kind="full" is no estimate: logp and ref_logp are then the log-softmax over the
+    vocabulary `(N, T, V)` at each completion position, and the result is the exact
+    KL(pi(.|s_t) || pi_ref(.|s_t)) = sum_v pi(v) (log pi(v) - log pi_ref(v)) of each state,
+    >= 0, with the exact gradient of that KL through logp (its own distribution, not a
+    sampled token's). Tokens of probability 0 (log-prob -inf) add 0.
     """
     if kind not in KL_KINDS:
         raise ValueError(f"kind must be one of {KL_KINDS}, got {kind!r}")
+    if kind == "full":
+        return _full_kl(logp, ref_logp, mask)
     lp = _up(logp)
     ref = as_float(ref_logp).to(lp.device)
     if tuple(ref.shape) != tuple(lp.shape):
@@ -232,6 +241,21 @@ def kl(logp: Tensor, ref_logp: Tensor, kind: KlKind = "k3", *,
     if kind.endswith("+"):
         k2 = 0.5 * x * x
         out = k2 - k2.detach() + out.detach()
+    if mask is not None:
+        m = check_mask(out, mask, "logp")
+        out = torch.where(m, out, torch.zeros((), dtype=out.dtype, device=out.device))
+    return out
+
+
+def _full_kl(log_dist: Tensor, ref_log_dist: Tensor, mask: Tensor | None) -> Tensor:
+    lp = _up(log_dist)
+    ref = as_float(ref_log_dist).to(lp.device)
+    if lp.dim() != 3 or tuple(ref.shape) != tuple(lp.shape):
+        raise ValueError("kind='full' needs logp and ref_logp as log-distributions (N, T, V) "
+                         f"of one shape, got {tuple(lp.shape)} and {tuple(ref.shape)}")
+    low = torch.finfo(lp.dtype).min  # -inf -> the lowest float: p = 0 then adds 0, not NaN
+    lp, ref = lp.clamp(min=low), ref.clamp(min=low)
+    out = (lp.exp() * (lp - ref)).sum(-1)  # (N, T)
     if mask is not None:
         m = check_mask(out, mask, "logp")
         out = torch.where(m, out, torch.zeros((), dtype=out.dtype, device=out.device))
@@ -318,7 +342,7 @@ def ppo_token_rewards(rewards: Tensor, mask: Tensor, *, logp: Tensor | None = No
                       kind: KlKind = "k1") -> Tensor:
     """PPO's per-token reward `(N, T)`: the scalar reward r_i `(N,)` on the last real token of
     row i, plus -beta * kl(logp, ref_logp, kind) on every real token when beta > 0
-    (logp and ref_logp `(N, T)` required then). Masked tokens and all-masked rows are 0.
+    (logp and ref_logp `(N, T)` required then, or `(N, T, V)` log-distributions for "full"). Masked tokens and all-masked rows are 0.
     Everything is detached: the reward is a constant for the policy gradient.
     """
     r = as_float(rewards)

@@ -145,28 +145,55 @@ FAST_PASSES = Passes(fast_forward, fast_hidden, fast_decoder, bf16_fast_decoder)
 """labkit.fast's passes for the models they cover, the models' own for the others."""
 
 
+@dataclass
+class TokenScores:
+    """What a teacher-forced pass gives for the completion tokens of its rows."""
+
+    logp: Tensor
+    """(n, T) fp32 log-probs of the completion tokens."""
+    entropy: Tensor | None = None
+    """(n, T) entropy of each position's distribution (with_entropy)."""
+    log_dist: Tensor | None = None
+    """(n, T, V) fp32 log-softmax over the vocabulary (distribution), for the exact KL."""
+
+
+def token_scores(model, batch: RolloutBatch, rows: Tensor | None = None, *,
+                 temperature: float = 1.0, with_entropy: bool = False,
+                 entropy_grad: bool = False, distribution: bool = False,
+                 share_prompt: bool | None = None,
+                 forward: Callable[..., Forward] = fast_forward) -> TokenScores:
+    """Log-probs (n, T) of the completion tokens under `model`, their entropy (n, T) and the
+    whole log-distribution (n, T, V) (`TokenScores`; the last two when asked).
+
+    Logits are divided by `temperature`, as when the rollout sampled, so a policy equal to
+    the sampling one gives ratio 1. Outputs are fp32 whatever the model's dtype. The
+    entropy is detached unless `entropy_grad` (an entropy bonus needs its gradient); the
+    log-distribution keeps its gradient. `share_prompt` runs each prompt once for its group
+    (module docstring); `forward(model)` gives the pass to run (`fast_forward` or
+    `model_forward`).
+    """
+    rows = _all_rows(batch, rows)
+    logits = completion_outputs(forward(model), batch, rows, share_prompt=share_prompt)
+    logits = logits.float() / temperature  # (n, T, V)
+    norm = logits.logsumexp(-1, keepdim=True)  # (n, T, 1)
+    targets = batch.completion_ids[rows]
+    logp = (logits.gather(-1, targets[..., None]) - norm).squeeze(-1)  # (n, T)
+    ent = None
+    if with_entropy:
+        ent = entropy_of(logits if entropy_grad else logits.detach())
+    return TokenScores(logp, ent, logits - norm if distribution else None)
+
+
 def token_logprobs(model, batch: RolloutBatch, rows: Tensor | None = None, *,
                    temperature: float = 1.0, with_entropy: bool = False,
                    entropy_grad: bool = False, share_prompt: bool | None = None,
                    forward: Callable[..., Forward] = fast_forward
                    ) -> tuple[Tensor, Tensor | None]:
-    """Log-probs (n, T) of the completion tokens under `model`, and their entropy (n, T).
-
-    Logits are divided by `temperature`, as when the rollout sampled, so a policy equal to
-    the sampling one gives ratio 1. Log-probs are fp32 whatever the model's dtype. The
-    entropy is detached unless `entropy_grad` (an entropy bonus needs its gradient).
-    `share_prompt` runs each prompt once for its group (module docstring); `forward(model)`
-    gives the pass to run (`fast_forward` or `model_forward`).
-    """
-    rows = _all_rows(batch, rows)
-    logits = completion_outputs(forward(model), batch, rows, share_prompt=share_prompt)
-    logits = logits.float() / temperature  # (n, T, V)
-    targets = batch.completion_ids[rows]
-    logp = logits.gather(-1, targets[..., None]).squeeze(-1) - logits.logsumexp(-1)  # (n, T)
-    ent = None
-    if with_entropy:
-        ent = entropy_of(logits if entropy_grad else logits.detach())
-    return logp, ent
+    """`token_scores`'s log-probs (n, T) and entropy (n, T) (None unless `with_entropy`)."""
+    scores = token_scores(model, batch, rows, temperature=temperature,
+                          with_entropy=with_entropy, entropy_grad=entropy_grad,
+                          share_prompt=share_prompt, forward=forward)
+    return scores.logp, scores.entropy
 
 
 class ValueModel(nn.Module):
