@@ -1,4 +1,4 @@
-"""experiments/variants.yaml: every registered estimator and loss mode is an arm of the sweep,
+"""experiments/claims/10_variants.yaml: every registered estimator and loss mode is an arm of the sweep,
 and its smoke variant runs (CI), each arm compared with the default."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from labkit.lab.sweeps import load_sweep, run_sweep
 from labkit.loss_modes import POLICY_LOSSES
 
 REPO = Path(__file__).resolve().parents[1]
-VARIANTS = REPO / "experiments" / "variants.yaml"
+VARIANTS = REPO / "experiments" / "claims" / "10_variants.yaml"
 
 
 def _labkits(registry) -> set[str]:
@@ -35,7 +35,7 @@ def test_the_sweep_has_an_arm_for_every_estimator_and_loss_mode():
 
 @pytest.mark.notebook
 def test_the_smoke_sweep_runs_and_compares_each_arm_with_the_default(tmp_path):
-    text = VARIANTS.read_text().replace("../notebooks/", str(REPO / "notebooks") + "/")
+    text = VARIANTS.read_text().replace("../../notebooks/", str(REPO / "notebooks") + "/")
     (tmp_path / "variants.yaml").write_text(text)
     sweep = load_sweep(tmp_path / "variants.yaml", smoke=True)
     runs = run_sweep(sweep, tmp_path / "runs", progress=False)
