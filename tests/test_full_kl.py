@@ -201,3 +201,21 @@ def test_a_step_that_would_not_fit_is_refused_before_any_model_runs():
                                          r"151936"):
         check_full_kl_memory(config, 151936)
     check_full_kl_memory(config, 101)  # the embedded model's vocabulary fits
+
+
+@pytest.mark.parametrize("algo", ["grpo", "ppo"])
+def test_a_run_with_the_exact_kl_logs_it_and_moves_beta(tmp_path, algo):
+    from labkit.rundir import read_metrics
+    from labkit.trainer import train
+
+    config = TrainConfig(algo=algo, kl_kind="full", beta=0.05, kl_target=0.001, kl_horizon=10,
+                         steps=3, batch_prompts=4, group_size=4, max_new_tokens=12, lr=5e-3,
+                         eval_every=1000, eval_n=4, eval_samples=0, cgc_prompts=0,
+                         progress=False, run_dir=str(tmp_path / algo))
+    records = [r for r in read_metrics(train(config).run_dir / "metrics.jsonl")
+               if "policy/kl" in r]
+    assert len(records) == 3
+    assert all(math.isfinite(r["policy/kl"]) and r["policy/kl"] > -1e-6 for r in records)
+    assert records[-1]["policy/kl"] > 0  # three updates at lr 5e-3 move the policy
+    betas = [r["policy/beta"] for r in records]
+    assert betas[0] == 0.05 and betas[1] < 0.05  # KL below target at the start: beta shrinks
