@@ -88,6 +88,22 @@ def machine(config: TrainConfig) -> dict:
             "precision": resolve_precision(config.precision, device)}
 
 
+def peak_rss_mb() -> float:
+    """This process's peak resident memory in MiB, on the platform it runs on: ru_maxrss is
+    KiB on Linux and bytes on macOS; Windows has no `resource` module and reads the peak
+    working set through psutil (a dependency there)."""
+    import sys
+
+    if sys.platform == "win32":
+        import psutil
+
+        return psutil.Process().memory_info().peak_wset / 2**20
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**20 if sys.platform == "darwin" else peak / 1024
+
+
 def _forget_other_precision(mixed: str) -> None:
     """accelerate keeps one process-wide state and refuses a second Accelerator with another
     mixed precision (a notebook that runs an fp32 run, then a bf16 one). In a single process

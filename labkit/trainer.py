@@ -15,7 +15,6 @@ from __future__ import annotations
 import copy
 import json
 import random
-import resource
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -33,7 +32,7 @@ from labkit.config import TrainConfig, preflight
 from labkit.diagnose import RunDiagnostics
 from labkit.evaluation import run_eval
 from labkit.learner import (build_learner, learner_state, machine, make_accelerator,
-                            restore_learner, update_count)
+                            peak_rss_mb, restore_learner, update_count)
 from labkit.reproducible import set_threads
 from labkit.rewards import RewardError, overlong_penalty
 from labkit.rollout import RolloutBatch, rollout
@@ -115,7 +114,7 @@ class Trainer:
 def _memory_mb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+    return peak_rss_mb()
 
 
 def estimator_extras(config, learner, tokenizer, problems, batch, step_seed: int) -> dict:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -16,6 +15,7 @@ from dataclasses import replace
 from labkit.bench.floor import step_floor
 from labkit.bench.inputs import Work
 from labkit.bench.timing import TIMES, labkit_trainer, step_times, sync
+from labkit.learner import peak_rss_mb
 
 MEMORY_LR = 1e-30
 """lr and critic_lr of the memory comparison. A step's memory depends on its shapes, not on
@@ -30,12 +30,13 @@ state against PPO's first step, before its optimizer states exist."""
 
 
 def _rss_mb() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    """Resident memory now, MiB: /proc on Linux, psutil elsewhere (it must be installed)."""
+    if os.path.exists("/proc/self/statm"):
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    import psutil
 
-
-def _peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+    return psutil.Process().memory_info().rss / 2**20
 
 
 def worker_labkit(work: Work, floor: bool = True) -> dict:
@@ -155,7 +156,7 @@ def worker_memory(work: Work, algo: str) -> dict:
         trainer = labkit_trainer(work, algo, lr=MEMORY_LR, critic_lr=MEMORY_LR)
         times = step_times(trainer, work, work.steps, 0)
         peak = torch.cuda.max_memory_allocated() / 2**20 - base / 2**20 if cuda \
-            else _peak_rss_mb() - base
+            else peak_rss_mb() - base
     finally:
         torch.set_flush_denormal(False)
     return {"peak_growth_mb": peak, "algo": algo, "lr": trainer.config.lr,
