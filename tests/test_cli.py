@@ -49,7 +49,7 @@ def test_train_help_lists_each_registry_and_literal_choice(capsys):
     for registry in (advantages.ESTIMATORS, losses.AGG_MODES, rewards.REWARDS):
         assert all(f"{name}:" in text for name in registry), registry
     assert "Choices: grpo, ppo." in text
-    assert "Choices: auto, k1, k2, k3, abs, k1+, k3+, abs+." in text
+    assert "Choices: auto, k1, k2, k3, abs, k1+, k3+, abs+, full." in text
     assert text.count("package.module:function") >= 4  # estimator, loss, agg, reward
 
 
