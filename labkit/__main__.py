@@ -219,7 +219,20 @@ def _sweep_parser(sub) -> None:
                                      "comparison.html in its folder.")
     cmd.add_argument("experiment", help="experiments/NAME.yaml (schema at its top)")
     cmd.add_argument("--smoke", action="store_true", help="the YAML's fast `smoke:` variant")
-    cmd.add_argument("--workers", type=int, default=1, help="notebooks run at once (default: 1)")
+    cmd.add_argument("--workers", type=int, default=None,
+                     help="local: notebooks run at once (default: 1); ray without --address: "
+                          "the local cluster's size in runs (default: every CPU)")
+    cmd.add_argument("--backend", choices=["local", "ray"], default="local",
+                     help="local: this machine's processes; ray: each run a Ray task (the "
+                          "`cluster` extra), retried if its worker dies (default: local)")
+    cmd.add_argument("--address", default=None,
+                     help="with --backend ray: join the Ray cluster there (its nodes must see "
+                          "the run folders at the same paths); default: start a local one")
+    cmd.add_argument("--cpus-per-run", type=float, default=None,
+                     help="CPUs a run needs (Ray's task resource; default: the YAML's "
+                          "resources.cpus, else 1)")
+    cmd.add_argument("--gpus-per-run", type=float, default=None,
+                     help="GPUs a run needs (default: the YAML's resources.gpus, else 0)")
     cmd.add_argument("--root", default=None, help="runs root (default: experiments/runs)")
     cmd.add_argument("--dry-run", action="store_true",
                      help="check the YAML against the notebook and list the runs; run nothing")
@@ -299,15 +312,34 @@ def run_sweep_command(args) -> int:
     from labkit.rundir import RUNS_ROOT
     from labkit.lab.sweeps import CSV_NAME, PLOT_NAME, load_sweep, plan, run_sweep
 
-    if args.workers < 1:
-        raise ValueError(f"--workers must be >= 1, got {args.workers}")
+    ray = args.backend == "ray"
+    workers = args.workers if args.workers is not None else (0 if ray else 1)
+    if workers < (0 if ray else 1):
+        raise ValueError(f"--workers must be >= {0 if ray else 1}, got {workers}")
+    if args.address and not ray:
+        raise ValueError("--address is the Ray cluster's: it needs --backend ray")
+    for flag, value, low in (("--cpus-per-run", args.cpus_per_run, "> 0"),
+                             ("--gpus-per-run", args.gpus_per_run, ">= 0")):
+        if value is not None and (value < 0 or (low == "> 0" and value == 0)):
+            raise ValueError(f"{flag} must be {low}, got {value:g}")
+    if ray:
+        from labkit.lab.on_ray import require_ray
+
+        try:
+            require_ray()
+        except ImportError as e:  # said in one line, before anything runs
+            raise ValueError(str(e)) from None
     sweep = load_sweep(args.experiment, smoke=args.smoke)
+    if args.cpus_per_run is not None:
+        sweep.resources["cpus"] = args.cpus_per_run
+    if args.gpus_per_run is not None:
+        sweep.resources["gpus"] = args.gpus_per_run
     root = RUNS_ROOT if args.root is None else args.root
     if args.dry_run:
         for run in plan(sweep, root):
             print(f"{'done' if run.status == 'done' else 'to run':<7} {run.path}")
         return 0
-    runs = run_sweep(sweep, root, workers=args.workers)
+    runs = run_sweep(sweep, root, workers=workers, backend=args.backend, address=args.address)
     folder = runs[0].path.parent
     print(folder / PLOT_NAME)
     print(folder / CSV_NAME)

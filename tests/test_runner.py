@@ -23,7 +23,7 @@ TINY = FIXTURES / "tiny.ipynb"
 FAILS = FIXTURES / "fails.ipynb"
 SWEEP = FIXTURES / "tiny_sweep.yaml"
 REPO = HERE.parent
-TINY_NAMES = ["run_dir", "seed", "steps", "scale", "label", "noisy", "plot"]
+TINY_NAMES = ["run_dir", "seed", "steps", "scale", "label", "noisy", "plot", "kill_worker"]
 # a script loaded from plotly's CDN (the bundle itself names cdn.plot.ly as a map-data default)
 PLOTLY_CDN = re.compile(r"""(src=|import\s*)["']https?://cdn\.plot\.ly""")
 
@@ -351,7 +351,8 @@ def test_sweep_runs_the_grid_then_skips_what_is_done(tmp_path):
     with open(folder / "sweep.csv") as f:
         rows = list(csv.DictReader(f))
     assert len(rows) == 4
-    assert list(rows[0])[:6] == ["run", "status", "steps", "seed", "scale", "noisy"]
+    assert list(rows[0])[:7] == ["run", "status", "error", "steps", "seed", "scale", "noisy"]
+    assert all(r["status"] == "ok" and r["error"] == "" for r in rows)
     assert {"score", "label", "python", "cwd"} <= set(rows[0])
     assert [float(r["score"]) for r in rows] == [2.0, 3.0, 4.0, 5.0]  # 2 * steps + seed
     html = (folder / "comparison.html").read_text()

@@ -7,6 +7,8 @@ The YAML (its schema is repeated at the top of each file in experiments/):
     parameters: {steps: 300}     # fixed values, one per notebook parameter
     grid: {group_size: [4, 8]}   # name -> values; the sweep runs their cartesian product
     seeds: [0, 1]                # every grid point runs once per seed (default [0])
+    resources: {cpus: 1, gpus: 0}  # what one run needs (default 1 CPU, no GPU): the Ray
+                                 #   backend's task resources (`--cpus-per-run` wins)
     smoke:                       # --smoke: a fast variant; each name given here wins,
       parameters: {steps: 4}     #   a fixed value replacing a grid entry and vice versa,
       grid: {group_size: [4]}    #   and seeds replacing seeds
@@ -25,6 +27,11 @@ The run id is the grid values and the seed, `group_size=4,seed=1`, so it is the 
 invocation: a run whose folder holds summary.json is skipped (an interrupted sweep resumes),
 a folder without one is moved to `.incomplete/` and run again, and a complete run made with
 other fixed values is an error rather than a silent mix of two experiments.
+
+Backends: `local` runs the notebooks in this process, or `workers` at a time in a pool of
+worker processes (the standard library's, nothing to install); `ray` makes each run a Ray
+task (`labkit.lab.on_ray`: a local cluster or one at an address, resources per run, a run
+whose worker dies retried). Both write the same run folders, sweep.csv and comparison.html.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from __future__ import annotations
 import csv
 import itertools
 import json
+import os
 import re
 import shutil
 import statistics
@@ -45,7 +53,10 @@ from labkit.lab.runner import (PARAMETERS_FILE, RUNNER_OWNED, RunFailed, check_c
                            check_value, execute, finite_or_none, is_number,
                            notebook_parameters, read_summary, unknown_names)
 
-KEYS = ("notebook", "name", "parameters", "grid", "seeds", "smoke", "claim", "claims")
+KEYS = ("notebook", "name", "parameters", "grid", "seeds", "resources", "smoke", "claim",
+        "claims")
+RESOURCE_KEYS = ("cpus", "gpus")
+BACKENDS = ("local", "ray")
 SMOKE_KEYS = ("parameters", "grid", "seeds")
 CLAIM_KEYS = ("id", "statement", "source", "findings", "note")
 CSV_NAME = "sweep.csv"
@@ -64,6 +75,8 @@ class Sweep:
     seeds: list[int]
     claims: list[dict] = field(default_factory=list)
     """experiments/claims/: the claims the sweep tests (labkit.lab.findings); [] otherwise."""
+    resources: dict = field(default_factory=lambda: {"cpus": 1, "gpus": 0})
+    """What one run needs, {"cpus": c, "gpus": g}: the Ray backend's task resources."""
 
 
 @dataclass
@@ -133,7 +146,21 @@ def load_sweep(path: str | Path, smoke: bool = False) -> Sweep:
     claims = [dict(_mapping(b, f"{where}: claim", CLAIM_KEYS)) for b in blocks]
     checked = _checked(Sweep(notebook, name, parameters, grid, seeds), where)
     checked.claims = claims
+    checked.resources = _resources(spec.get("resources") or {}, where)
     return checked
+
+
+def _resources(spec, where: str) -> dict:
+    """`resources:` checked: cpus > 0 and gpus >= 0, numbers (fractions allowed, as in Ray)."""
+    spec = _mapping(spec, f"{where}: resources", RESOURCE_KEYS)
+    out = {"cpus": spec.get("cpus", 1), "gpus": spec.get("gpus", 0)}
+    for key, value in out.items():
+        low = 0 if key == "gpus" else None
+        if isinstance(value, bool) or not is_number(value) or value < 0 or (
+                low is None and value == 0):
+            rule = ">= 0" if key == "gpus" else "> 0"
+            raise ValueError(f"{where}: resources.{key} must be a number {rule}, got {value!r}")
+    return out
 
 
 def _mapping(value, where: str, allowed: tuple = ()) -> dict:
@@ -216,18 +243,22 @@ def plan(sweep: Sweep, root: str | Path) -> list[Run]:
     return runs
 
 
-def _prepare(run: Run) -> None:
-    """A fresh folder for a run that is not complete; an old partial one is kept aside."""
-    if run.path.exists():
-        aside = run.path.parent / INCOMPLETE / f"{run.id}-{time.strftime('%Y%m%d-%H%M%S')}"
+def _prepare(run_dir: Path) -> None:
+    """A fresh folder for a run that is not complete; an old partial one (an interrupted
+    sweep's, or a retried run's) is kept aside in `.incomplete/`."""
+    if run_dir.exists():
+        stamp = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+        aside = run_dir.parent / INCOMPLETE / f"{run_dir.name}-{stamp}"
         aside.parent.mkdir(exist_ok=True)
-        shutil.move(str(run.path), str(aside))
-    run.path.mkdir(parents=True)
+        shutil.move(str(run_dir), str(aside))
+    run_dir.mkdir(parents=True)
 
 
 def _execute_one(notebook: Path, run_dir: Path, values: dict) -> str:
-    """Runs in a worker process: '' on success, else a one-line reason."""
+    """Runs in a worker process (or a Ray task): prepares the run's folder, runs the
+    notebook; '' on success, else a one-line reason."""
     try:
+        _prepare(run_dir)
         execute(notebook, run_dir, values, progress=False)
     except RunFailed as e:
         return str(e)
@@ -238,30 +269,41 @@ def _execute_one(notebook: Path, run_dir: Path, values: dict) -> str:
     return ""
 
 
-def run_sweep(sweep: Sweep, root: str | Path, workers: int = 1,
-              progress: bool = True) -> list[Run]:
-    """Run what is not done yet (`workers` notebooks at once), then write sweep.csv and
-    comparison.html into the sweep folder. Returns every run with its status.
+def run_sweep(sweep: Sweep, root: str | Path, workers: int = 1, progress: bool = True, *,
+              backend: str = "local", address: str | None = None) -> list[Run]:
+    """Run what is not done yet, then write sweep.csv and comparison.html into the sweep
+    folder. Returns every run with its status.
 
-    The sweep folder's lock is held throughout: a second invocation of the same sweep, while
-    this one runs, is refused rather than setting aside or rerunning the runs in progress."""
+    backend "local": `workers` notebooks at once (1: in this process). backend "ray": each
+    run a Ray task with the sweep's `resources`, on the cluster at `address`, or on a local
+    cluster of `workers` x resources["cpus"] CPUs started for the sweep (workers 0: every
+    CPU). The sweep folder's lock is held throughout: a second invocation of the same sweep,
+    while this one runs, is refused rather than setting aside or rerunning the runs in
+    progress."""
     from labkit.rundir import RunLock
 
-    if workers < 1:
+    if backend not in BACKENDS:
+        raise ValueError(f"--backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    if workers < (0 if backend == "ray" else 1):
         raise ValueError(f"--workers must be >= 1, got {workers}")
+    if address and backend != "ray":
+        raise ValueError("--address is the Ray cluster's: it needs --backend ray")
+    if backend == "ray":
+        from labkit.lab.on_ray import require_ray
+
+        require_ray()  # a missing extra is said before anything runs
     folder = Path(root) / sweep.name
     folder.mkdir(parents=True, exist_ok=True)
     with RunLock(folder):
-        return _run_sweep(sweep, root, workers, progress)
+        return _run_sweep(sweep, root, workers, progress, backend, address)
 
 
-def _run_sweep(sweep: Sweep, root: str | Path, workers: int, progress: bool) -> list[Run]:
+def _run_sweep(sweep: Sweep, root: str | Path, workers: int, progress: bool, backend: str,
+               address: str | None) -> list[Run]:
     from tqdm.auto import tqdm
 
     runs = plan(sweep, root)
     todo = [r for r in runs if r.status == "todo"]
-    for run in todo:
-        _prepare(run)
     bar = tqdm(total=len(runs), initial=len(runs) - len(todo), desc=sweep.name, unit="run",
                disable=not progress)
 
@@ -273,7 +315,16 @@ def _run_sweep(sweep: Sweep, root: str | Path, workers: int, progress: bool) -> 
         bar.update(1)
 
     try:
-        if workers == 1:
+        if backend == "ray" and todo:
+            from labkit.lab.on_ray import run_tasks
+
+            cpus = sweep.resources["cpus"]
+            jobs = [(run, (sweep.notebook, run.path.resolve(),
+                           {**sweep.parameters, **run.values})) for run in todo]
+            run_tasks(_execute_one, jobs, finish, address=address, cpus=cpus,
+                      gpus=sweep.resources["gpus"],
+                      local_cpus=max(1, round(workers * cpus)) if workers else None)
+        elif workers == 1:
             for run in todo:
                 bar.set_postfix_str(run.id)
                 finish(run, _execute_one(sweep.notebook, run.path, {**sweep.parameters,
@@ -297,8 +348,9 @@ def _run_sweep(sweep: Sweep, root: str | Path, workers: int, progress: bool) -> 
 
 
 def write_table(sweep: Sweep, runs: list[Run], path: Path) -> Path:
-    """sweep.csv: one row per run, its parameters, then every key of its summary.json (a key
-    named like a parameter is `summary:<key>`, and left out where it equals the parameter)."""
+    """sweep.csv: one row per run, its status (ok or failed) and error (a failed run's
+    reason, one line), its parameters, then every key of its summary.json (a key named like
+    a parameter is `summary:<key>`, and left out where it equals the parameter)."""
     names = [*sweep.grid, "seed", *sweep.parameters]
     keys: dict[str, None] = {}
     for run in runs:
@@ -306,13 +358,15 @@ def write_table(sweep: Sweep, runs: list[Run], path: Path) -> Path:
         # a summary key that repeats a parameter's value adds nothing to the parameter's column
         keys.update(dict.fromkeys(k for k, v in run.summary.items()
                                   if k not in values or v != values[k]))
-    column = {k: (f"summary:{k}" if k in names or k in ("run", "status") else k) for k in keys}
+    own = ("run", "status", "error")
+    column = {k: (f"summary:{k}" if k in names or k in own else k) for k in keys}
     with path.open("w", newline="", encoding="utf-8") as f:
         writer = csv.writer(f)
-        writer.writerow(["run", "status", *names, *column.values()])
+        writer.writerow([*own, *names, *column.values()])
         for run in runs:
             values = {**sweep.parameters, **run.values}
-            writer.writerow([run.id, "failed" if run.status == "failed" else "ok",
+            failed = run.status == "failed"
+            writer.writerow([run.id, "failed" if failed else "ok", run.message if failed else "",
                              *(values[n] for n in names), *(run.summary.get(k, "") for k in keys)])
     return path
 
