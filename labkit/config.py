@@ -255,6 +255,16 @@ class TrainConfig:
     forward and decoder (the same numbers up to float rounding, with far less per-call
     overhead); False, or any other architecture, uses the model's own forward. Read once,
     by learner.build_learner (labkit.scoring.FAST_PASSES or MODEL_PASSES)."""
+    lora_rank: int = bounded(0, ge=0)
+    """LoRA (Hu et al., 2021; labkit.lora, the `lora` extra): 0 trains every weight; r > 0
+    trains rank-r adapters on lora_targets only, the reference being the same model with
+    its adapters off (no second copy) and PPO's critic getting adapters of its own. The
+    lean passes do not take adapters: the models run their own forward."""
+    lora_alpha: float = bounded(16.0, gt=0)
+    """LoRA's scale: an adapter adds (lora_alpha / lora_rank) B A x."""
+    lora_targets: str = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
+    """Comma-separated names of the linear layers that get adapters (Llama-family names by
+    default: every projection of attention and MLP)."""
     progress: bool = True
     """Show a progress bar."""
 
@@ -329,6 +339,9 @@ class TrainConfig:
             raise ValueError(f"overlong_buffer={self.overlong_buffer} must be <= "
                              f"max_new_tokens={self.max_new_tokens}: the penalty zone is the "
                              "end of the budget")
+        if self.lora_rank and not [t for t in self.lora_targets.split(",") if t.strip()]:
+            raise ValueError("lora_targets must name at least one layer (comma-separated), "
+                             f"got {self.lora_targets!r}")
         if self.kl_target is not None and self.beta == 0:
             raise ValueError("kl_target adapts beta: it needs beta > 0 (its starting value)")
         if self.reinforce and self.algo != "grpo":
@@ -478,6 +491,13 @@ def preflight(config: TrainConfig) -> None:
                              "is a file")
     if config.device is not None:
         _check_device(config.device)
+    if config.lora_rank:
+        from labkit.lora import require_peft
+
+        try:
+            require_peft()
+        except ImportError as e:
+            raise ValueError(str(e)) from None
 
 
 def _check_device(device: str) -> None:

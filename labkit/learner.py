@@ -130,6 +130,12 @@ def _cpu_bf16_attention(model) -> None:
         pass
 
 
+def trainable(parameters) -> list[torch.Tensor]:
+    """The parameters an optimizer updates: those that require a gradient (with LoRA, the
+    adapters and PPO's value head)."""
+    return [p for p in parameters if p.requires_grad]
+
+
 def adamw(parameters, lr: float, weight_decay: float) -> torch.optim.AdamW:
     """AdamW with torch's fused kernel (one call per step, not a dozen operations per
     parameter tensor) where this torch has it for the parameters' device; the same update."""
@@ -168,7 +174,7 @@ def build_learner(config: TrainConfig, accelerator):
     reference = None
     if config.beta > 0 and config.kl_estimator == "full":
         check_full_kl_memory(config, policy.get_output_embeddings().weight.shape[0])
-    if config.beta > 0:
+    if config.beta > 0 and not config.lora_rank:
         # frozen: under bf16 autocast its products run in bf16 anyway, so it is held in bf16
         # (half the memory); only its norm weights round differently from an fp32 copy
         held = "bf16" if accelerator.mixed_precision == "bf16" else "fp32"
@@ -178,13 +184,25 @@ def build_learner(config: TrainConfig, accelerator):
         for model in (policy, reference):
             _cpu_bf16_attention(model)
     passes = FAST_PASSES if config.fast else MODEL_PASSES
+    critic = None
+    if config.algo == "ppo":  # from the policy as loaded: its own backbone, its own adapters
+        critic = ValueModel(policy, hidden=passes.hidden)
+    if config.lora_rank:
+        from labkit import lora
+
+        lora.add_adapters(policy, config)
+        if config.beta > 0:
+            reference = lora.AdaptersOff(policy)  # the base model: the policy, adapters off
+        if critic is not None:
+            lora.add_adapters(critic.backbone, config)  # freezes the backbone, not the head
     factor = lr_schedule(config)
-    optimizer = adamw(policy.parameters(), config.lr, config.weight_decay)
+    optimizer = adamw(trainable(policy.parameters()), config.lr, config.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
     policy.train()
-    if config.algo == "ppo":
-        critic = ValueModel(policy, hidden=passes.hidden).train()
-        critic_optimizer = adamw(critic.parameters(), config.critic_lr, config.weight_decay)
+    if critic is not None:
+        critic.train()
+        critic_optimizer = adamw(trainable(critic.parameters()), config.critic_lr,
+                                 config.weight_decay)
         critic_scheduler = torch.optim.lr_scheduler.LambdaLR(critic_optimizer, factor)
         policy, optimizer, scheduler, critic, critic_optimizer, critic_scheduler = \
             accelerator.prepare(policy, optimizer, scheduler, critic, critic_optimizer,
@@ -202,25 +220,49 @@ def learner_state(learner: Learner) -> dict:
     """The weights, optimizer and schedule states a checkpoint holds (the policy's and, for
     PPO, the critic's), and the KL coefficient as the adaptive controller left it."""
     acc = learner.accelerator
-    state = {"policy": acc.unwrap_model(learner.policy).state_dict(),
+    state = {"policy": _weights(acc.unwrap_model(learner.policy)),
              "optimizer": learner.optimizer.state_dict(),
              "scheduler": learner.scheduler.state_dict(), "beta": learner.beta}
     if learner.critic is not None:
-        state |= {"critic": acc.unwrap_model(learner.critic).state_dict(),
+        state |= {"critic": _weights(acc.unwrap_model(learner.critic)),
                   "critic_optimizer": learner.critic_optimizer.state_dict(),
                   "critic_scheduler": learner.critic_scheduler.state_dict()}
     return state
 
 
+def _weights(model) -> dict:
+    """What a checkpoint keeps of a model: every weight, or with LoRA adapters the weights
+    that train (the adapters, and a critic's value head); the frozen base is the model's."""
+    if not any(not p.requires_grad for p in model.parameters()):
+        return model.state_dict()
+    names = {name for name, p in model.named_parameters() if p.requires_grad}
+    return {k: v for k, v in model.state_dict().items() if k in names}
+
+
+def _load_weights(model, state: dict) -> None:
+    """Load `_weights`: a whole state dict strictly; a trained subset (LoRA) must cover
+    every weight that trains."""
+    names = {name for name, p in model.named_parameters() if p.requires_grad}
+    if len(names) == len(list(model.parameters())):
+        model.load_state_dict(state)
+        return
+    result = model.load_state_dict(state, strict=False)
+    missing = sorted(names & set(result.missing_keys))
+    if missing or result.unexpected_keys:
+        raise ValueError(f"the checkpoint's trained weights do not fit this model: missing "
+                         f"{missing[:3]}, unexpected {result.unexpected_keys[:3]} (a LoRA "
+                         "checkpoint resumes with the same lora_rank and lora_targets)")
+
+
 def restore_learner(learner: Learner, state: dict) -> None:
     """Load a checkpoint's `learner_state` and its random-number generators' states."""
     acc = learner.accelerator
-    acc.unwrap_model(learner.policy).load_state_dict(state["policy"])
+    _load_weights(acc.unwrap_model(learner.policy), state["policy"])
     learner.optimizer.load_state_dict(state["optimizer"])
     learner.scheduler.load_state_dict(state["scheduler"])
     learner.beta = state.get("beta", learner.beta)  # older checkpoints: the config's beta
     if learner.critic is not None:
-        acc.unwrap_model(learner.critic).load_state_dict(state["critic"])
+        _load_weights(acc.unwrap_model(learner.critic), state["critic"])
         learner.critic_optimizer.load_state_dict(state["critic_optimizer"])
         learner.critic_scheduler.load_state_dict(state["critic_scheduler"])
     rundir.set_rng_state(state["rng"])

@@ -33,6 +33,7 @@ from labkit.diagnose import RunDiagnostics
 from labkit.evaluation import run_eval
 from labkit.learner import (build_learner, learner_state, machine, make_accelerator,
                             peak_rss_mb, restore_learner, update_count)
+from labkit.lora import save_final
 from labkit.reproducible import set_threads
 from labkit.rewards import RewardError, overlong_penalty
 from labkit.rollout import RolloutBatch, rollout
@@ -323,7 +324,8 @@ def _train(config: TrainConfig, run_dir: Path, resuming: bool,
         log.writer.close()
     stopped, accuracy = log.stopped, log.accuracy
     last = stopped.step if stopped is not None else config.steps
-    _finish(run_dir, trainer.learner, trainer.policy, trainer.tokenizer, last, stopped)
+    _finish(run_dir, trainer.learner, trainer.policy, trainer.tokenizer, last, stopped,
+            trainer.config)
     return RunResult(run_dir, config, last, accuracy[0] if accuracy else float("nan"),
                      accuracy[-1] if accuracy else float("nan"), time.perf_counter() - start_time,
                      log.records, stopped=stopped.message() if stopped is not None else None,
@@ -392,14 +394,17 @@ def _resume_point(learner: Learner, run_dir: Path, metrics_path: Path) -> int:
 
 
 def _finish(run_dir: Path, learner: Learner, policy, tokenizer, last: int,
-            stopped: stops.Stop | stops.Dead | None) -> None:
+            stopped: stops.Stop | stops.Dead | None, config: TrainConfig) -> None:
     """The last checkpoint, then (a stop rule fired) stopped.json and a line on stderr, then
-    the final model. The checkpoint comes before stopped.json: a run killed in between is
+    the final model (with LoRA: merged, the adapters in final/adapter/). The checkpoint comes before stopped.json: a run killed in between is
     resumed, replays its records, and stops again at the same step."""
     rundir.save_checkpoint(run_dir, last, learner_state(learner))
     if stopped is not None:
         rundir.write_json(run_dir / STOPPED, stopped.to_dict())
         tqdm.write(f"{run_dir}: {stopped.message()}", file=sys.stderr)
+    if config.lora_rank:  # LoRA: the merged model, and the adapters in final/adapter/
+        save_final(policy, tokenizer, run_dir / "final", config)
+        return
     policy.save_pretrained(run_dir / "final")
     tokenizer.save_pretrained(run_dir / "final")
 
