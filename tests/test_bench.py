@@ -74,6 +74,11 @@ def test_the_command_runs_end_to_end_and_ends_with_its_json_line():
         summary["labkit_step_s_small"] / summary["trl_step_s_small"])
     assert summary["rollout_identical"] is True  # greedy: the same tokens as model.generate
     assert summary["memory_same_completions"] is True and summary["memory_lr"] == workers.MEMORY_LR
+    # LoRA against full fine-tuning, both on the model's own forward, the same completions
+    assert summary["lora_full_memory_ratio"] == pytest.approx(
+        summary["lora_peak_mb"] / summary["full_peak_mb"])
+    assert summary["lora_peak_mb"] > 0 and summary["lora_same_completions"] is True
+    assert any(line.startswith("peak memory, small, GRPO LoRA vs full") for line in lines)
     # auto: the test model is far below 4 M parameters, so fp32 whatever the CPU
     assert summary["precision"] == summary["precision_tiny"] == "fp32"
     assert summary["gradient_checkpointing"] is False

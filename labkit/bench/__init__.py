@@ -16,6 +16,9 @@ model load, its own allocator), one after another, never two at once:
 * Memory of a GRPO step vs a PPO step (PPO also trains a critic): peak resident memory
   growth of a fresh process on the CPU, `torch.cuda.max_memory_allocated` on CUDA. Both
   sides run the same completions (`MEMORY_LR`).
+* Memory of a GRPO step with LoRA (rank `LORA_RANK`) vs full fine-tuning, both on the
+  model's own forward (the lean path does not take adapters), so the row measures LoRA
+  alone: no second copy for the reference, no gradients or optimizer states for the base.
 * Scaling of labkit's step with G and with the completion length, with fitted slopes, and
   the time spent running prompts, which stays flat in G.
 * A floor under labkit's step on each config (`step_floor`): the step's own matrix
@@ -43,6 +46,10 @@ from labkit.bench.inputs import (SMALL, TEST_SMALL, Work, bench_precision, build
 from labkit.bench.report import summarize, table
 from labkit.bench.workers import run_worker
 
+
+LORA_RANK = 8
+"""The LoRA memory row: adapters of this rank on every projection (TrainConfig's default
+targets)."""
 
 MODES = {"full": dict(steps=8, warmup=2), "quick": dict(steps=2, warmup=1)}
 """Timed and warm-up steps per measurement when --steps and --warmup are not given: the full
@@ -142,6 +149,11 @@ def run(args) -> dict:
         memory_work = replace(small, steps=2, warmup=0)
         for algo in ("grpo", "ppo"):
             results[f"memory_{algo}"] = run_worker("memory", memory_work, algo=algo)
+        say(f"[bench] memory: GRPO step with LoRA (rank {LORA_RANK}), with full fine-tuning, "
+            "both on the model's own forward")
+        for name, lora_rank in (("lora", LORA_RANK), ("full", 0)):
+            results[f"memory_{name}"] = run_worker("memory", memory_work, algo="grpo",
+                                                   fast=False, lora_rank=lora_rank)
         points = scaling_points(args, small)
         if points is not None:
             say("[bench] scaling with G and completion length" if points["plain"] else

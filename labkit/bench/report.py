@@ -48,6 +48,7 @@ def summarize(results: dict, *, params: int, device: str, precision: dict, args)
         results["memory_ppo"]["completions"],
         "memory_tokens_per_step": results["memory_grpo"]["tokens"],
         "memory_lr": results["memory_grpo"]["lr"],
+        **_lora_figures(results),
         "precision": precision["small"], "precision_tiny": precision["tiny"],
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "cpu_bf16_native": cpu_bf16_native(), "gradient_checkpointing": False, "device": device,
@@ -69,6 +70,16 @@ def summarize(results: dict, *, params: int, device: str, precision: dict, args)
     # unequal work is no comparison: the memory target needs the same completions both sides
     summary["targets_met"]["grpo_ppo_memory_ratio"] &= summary["memory_same_completions"]
     return summary
+
+
+def _lora_figures(results: dict) -> dict:
+    """The LoRA memory row, if measured: peak growth with LoRA / with full fine-tuning."""
+    if "memory_lora" not in results:
+        return {}
+    lora, full = (results[f"memory_{k}"]["peak_growth_mb"] for k in ("lora", "full"))
+    return {"lora_full_memory_ratio": lora / full, "lora_peak_mb": lora, "full_peak_mb": full,
+            "lora_same_completions": results["memory_lora"]["completions"] ==
+            results["memory_full"]["completions"]}
 
 
 AGREE = 0.25
@@ -180,6 +191,10 @@ def table(summary: dict) -> str:
         op, bound = TARGETS[key]
         mark = "met" if s["targets_met"][key] else "MISSED"
         lines.append(f"{label:<44}{ours:>14}{peer:>26}{s[key]:>8.3f}  {op} {bound} {mark}")
+    if "lora_full_memory_ratio" in s:
+        lines.append(f"{'peak memory, small, GRPO LoRA vs full':<44}"
+                     f"{s['lora_peak_mb']:>11.0f} MB{s['full_peak_mb']:>14.0f} MB (full FT)"
+                     f"{s['lora_full_memory_ratio']:>8.3f}  (the model's own forward)")
     lines.append(f"CPU capability {s['cpu_capability']}, precision tiny {s['precision_tiny']}, "
                  f"small {s['precision']} (both sides), gradient checkpointing off (both), "
                  f"device {s['device']}, {s['torch_threads']} torch threads, beta {s['beta']}, "

@@ -134,9 +134,10 @@ def worker_rollout(work: Work) -> dict:
     return {"seconds": seconds, "tokens": sum(map(len, ours)), "identical": same}
 
 
-def worker_memory(work: Work, algo: str) -> dict:
-    """Peak memory growth of building the trainer and running `work.steps` steps at
-    `MEMORY_LR`; each step's completion token count and fingerprint."""
+def worker_memory(work: Work, algo: str, **overrides) -> dict:
+    """Peak memory growth of building the trainer (`overrides` on its TrainConfig) and
+    running `work.steps` steps at `MEMORY_LR`; each step's completion token count and
+    fingerprint."""
     import torch
 
     # At MEMORY_LR the critic's zero-initialised value head moves to about 1e-30 in the first
@@ -153,7 +154,7 @@ def worker_memory(work: Work, algo: str) -> dict:
             base = torch.cuda.memory_allocated()
         else:
             base = _rss_mb()
-        trainer = labkit_trainer(work, algo, lr=MEMORY_LR, critic_lr=MEMORY_LR)
+        trainer = labkit_trainer(work, algo, lr=MEMORY_LR, critic_lr=MEMORY_LR, **overrides)
         times = step_times(trainer, work, work.steps, 0)
         peak = torch.cuda.max_memory_allocated() / 2**20 - base / 2**20 if cuda \
             else peak_rss_mb() - base
