@@ -28,3 +28,15 @@ def random_qwen(tiny):
                          max_position_embeddings=256, pad_token_id=0, bos_token_id=1,
                          eos_token_id=2, tie_word_embeddings=True)
     return Qwen2ForCausalLM(config).eval(), tokenizer
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `cuda` skip, saying why, where torch sees no CUDA device."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (scripts/gpu_check.sh runs these)")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)

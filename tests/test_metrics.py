@@ -391,7 +391,7 @@ def test_every_emitted_key_is_defined_and_documented():
     assert len(M.metrics_table().splitlines()) == len(M.METRICS) + 2
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.cuda
 def test_step_metrics_on_cuda_match_cpu():
     x = full_inputs()
     on_gpu = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in x.items()}

@@ -41,11 +41,14 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
-from labkit.bench.inputs import (SMALL, TEST_SMALL, Work, bench_precision, build_small_model,
-                                 long_prompts, tiny_prompts)
+from labkit.bench.inputs import (QWEN_05B, SMALL, TEST_SMALL, Work, bench_precision,
+                                 build_small_model, long_prompts, tiny_prompts)
 from labkit.bench.report import summarize, table
 from labkit.bench.workers import run_worker
 
+
+SCALES = {"full": SMALL, "test": TEST_SMALL, "qwen0.5b": QWEN_05B}
+"""--scale: the shapes of the *small* model (the tiny one is always the embedded model)."""
 
 LORA_RANK = 8
 """The LoRA memory row: adapters of this rank on every projection (TrainConfig's default
@@ -112,7 +115,7 @@ def run(args) -> dict:
     from labkit.learner import cpu_bf16_native
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    shape = TEST_SMALL if args.scale == "test" else SMALL
+    shape = SCALES[args.scale]
     say = (lambda *a: None) if args.quiet else (lambda *a: print(*a, file=sys.stderr, flush=True))
     capability = torch.backends.cpu.get_cpu_capability()
     if args.precision == "bf16" and device == "cpu" and not cpu_bf16_native():
@@ -256,8 +259,10 @@ def add_parser(sub) -> None:
     cmd.add_argument("--device", default=None, help="cpu or cuda[:N]; default: CUDA if present")
     cmd.add_argument("--no-scaling", dest="scaling", action="store_false",
                      help="skip the scaling sweep over G and completion length")
-    cmd.add_argument("--scale", choices=["full", "test"], default="full",
-                     help="test: a toy 'small' model and a short sweep, to check the command")
+    cmd.add_argument("--scale", choices=list(SCALES), default="full",
+                     help="the 'small' model: full, a 26 M-parameter Llama; test: a toy one "
+                          "and a short sweep, to check the command; qwen0.5b: Qwen2.5-0.5B's "
+                          "shapes, random weights (for a GPU: scripts/gpu_check.sh)")
     cmd.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
 
 

@@ -10,6 +10,13 @@ from pathlib import Path
 SMALL = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
              num_attention_heads=8, num_key_value_heads=8)
 """The *small* model: a Llama of ~26 M parameters."""
+QWEN_05B = dict(model_type="qwen2", hidden_size=896, intermediate_size=4864,
+                num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                vocab_size=151936, max_position_embeddings=32768, rope_theta=1_000_000.0,
+                rms_norm_eps=1e-6, tie_word_embeddings=True)
+"""`--scale qwen0.5b` (the GPU check, scripts/gpu_check.sh): Qwen2.5-0.5B's shapes with
+random weights, nothing downloaded; its vocabulary is Qwen's, of which the embedded
+tokenizer uses the first ids."""
 TEST_SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=4)
 """`--scale test`: the same measurements on a toy model, to check the command quickly."""
@@ -66,20 +73,31 @@ class Work:
         return [Problem(self.prompts[i], self.answers[i]) for i in work.step_prompts(step)]
 
 
+def small_config(shape: dict, tokenizer):
+    """The transformers config of a bench model: `shape` (SMALL, TEST_SMALL: a Llama; a
+    `model_type` key picks another family) over the embedded tokenizer's vocabulary and
+    special tokens."""
+    from transformers import LlamaConfig, Qwen2Config
+
+    shape = dict(shape)
+    kind = {"llama": LlamaConfig, "qwen2": Qwen2Config}[shape.pop("model_type", "llama")]
+    return kind(**{"vocab_size": len(tokenizer), "max_position_embeddings": 512,
+                   "tie_word_embeddings": True, **shape},
+                bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id)
+
+
 def build_small_model(path: Path, shape: dict) -> int:
-    """Save a randomly initialised Llama with the embedded tokenizer; its parameter count."""
+    """Save a randomly initialised model of `shape` (`small_config`) with the embedded
+    tokenizer; its parameter count."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     from labkit.models import load
 
     _, tokenizer = load(device="cpu")
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), max_position_embeddings=512,
-                         tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
-                         eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id, **shape)
-    model = LlamaForCausalLM(config)
+    model = AutoModelForCausalLM.from_config(small_config(shape, tokenizer))
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
