@@ -2,6 +2,7 @@
 (the figures themselves are the README's, measured on a quiet machine)."""
 
 import json
+import os
 import math
 import subprocess
 import sys
@@ -441,3 +442,19 @@ def test_the_memory_worker_leaves_subnormal_floats_as_it_found_them():
                        precision="fp32", gradient_checkpointing=False)
     workers.worker_memory(work, "grpo")
     assert (tiny_normal / 1e3).item() > 0
+
+
+def test_memory_workers_run_with_the_fixed_allocator_threshold_and_others_do_not(monkeypatch):
+    seen = {}
+
+    def fake_run(cmd, **kwargs):
+        seen[cmd[4]] = kwargs["env"]
+        return subprocess.CompletedProcess(cmd, 0, stdout='{"ok": 1}\n', stderr="")
+
+    monkeypatch.setattr(workers.subprocess, "run", fake_run)
+    work = workers.Work("model", ("p",), ("a",))
+    for name in ("memory", "labkit"):
+        assert workers.run_worker(name, work) == {"ok": 1}
+    assert seen["memory"]["MALLOC_MMAP_THRESHOLD_"] == "65536"
+    assert "MALLOC_MMAP_THRESHOLD_" not in seen["labkit"] or \
+        seen["labkit"]["MALLOC_MMAP_THRESHOLD_"] == os.environ.get("MALLOC_MMAP_THRESHOLD_")
