@@ -16,6 +16,7 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 
 def _eval_parser(sub) -> None:
@@ -360,8 +361,29 @@ class _Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
+def program() -> str:
+    """The program the user typed, for usage lines: `labkit` (the console script) or
+    `python -m labkit`."""
+    name = Path(sys.argv[0]).stem if sys.argv and sys.argv[0] else ""
+    return "labkit" if name == "labkit" else "python -m labkit"
+
+
+def version() -> str:
+    """The installed distribution's version (the package's own where not installed)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        return installed("labkit")
+    except PackageNotFoundError:
+        from labkit import __version__
+
+        return __version__
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = _Parser(prog="python -m labkit", description=__doc__.split("\n")[0])
+    parser = _Parser(prog=program(), description=__doc__.split("\n")[0])
+    parser.add_argument("--version", action="version", version=f"labkit {version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     _train_parser(sub)
     _eval_parser(sub)

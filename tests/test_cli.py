@@ -104,3 +104,26 @@ def test_train_says_a_dead_run_in_its_last_json_line(tmp_path):
     assert summary["steps"] == 2 and (dead["first"], dead["step"]) == (1, 2) and dead["truncated"]
     assert summary["stopped"] == dead["message"] and dead["message"] in done.stderr
     assert json.loads((tmp_path / "r" / "dead_run.json").read_text()) == dead
+
+
+def test_version_prints_the_installed_version():
+    from importlib.metadata import version
+
+    done = in_process("--version")
+    assert done.returncode == 0 and done.stdout.strip() == f"labkit {version('labkit')}"
+
+
+def test_usage_lines_name_the_program_the_user_typed():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(sys.executable).parent / "labkit"  # the console script pip installed
+    done = subprocess.run([str(script), "train", "--help"], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0 and done.stdout.startswith("usage: labkit train ")
+    module = subprocess.run([sys.executable, "-m", "labkit", "sweep", "--no-such-flag"],
+                            capture_output=True, text=True, timeout=120)
+    assert module.returncode == 2
+    assert module.stderr.startswith("error: python -m labkit sweep: the following arguments "
+                                    "are required: experiment (see python -m labkit sweep")
