@@ -63,7 +63,9 @@ def test_bad_options_are_one_clear_line(args, name):
 
 def test_the_command_runs_end_to_end_and_ends_with_its_json_line():
     # one round: pooling and re-running rounds are checked on compare_rounds below
-    done = _cli("--scale", "test", "--steps", "1", "--warmup", "0", "--rounds", "1", "--quiet")
+    # the LoRA row's workers are the memory worker with two options: checked in process below
+    done = _cli("--scale", "test", "--steps", "1", "--warmup", "0", "--rounds", "1", "--quiet",
+                "--no-lora")
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.strip().splitlines()
     summary = json.loads(lines[-1])
@@ -75,11 +77,7 @@ def test_the_command_runs_end_to_end_and_ends_with_its_json_line():
         summary["labkit_step_s_small"] / summary["trl_step_s_small"])
     assert summary["rollout_identical"] is True  # greedy: the same tokens as model.generate
     assert summary["memory_same_completions"] is True and summary["memory_lr"] == workers.MEMORY_LR
-    # LoRA against full fine-tuning, both on the model's own forward, the same completions
-    assert summary["lora_full_memory_ratio"] == pytest.approx(
-        summary["lora_peak_mb"] / summary["full_peak_mb"])
-    assert summary["lora_peak_mb"] > 0 and summary["lora_same_completions"] is True
-    assert any(line.startswith("peak memory, small, GRPO LoRA vs full") for line in lines)
+    assert "lora_full_memory_ratio" not in summary  # --no-lora
     # auto: the test model is far below 4 M parameters, so fp32 whatever the CPU
     assert summary["precision"] == summary["precision_tiny"] == "fp32"
     assert summary["gradient_checkpointing"] is False
@@ -458,3 +456,37 @@ def test_memory_workers_run_with_the_fixed_allocator_threshold_and_others_do_not
     assert seen["memory"]["MALLOC_MMAP_THRESHOLD_"] == "65536"
     assert "MALLOC_MMAP_THRESHOLD_" not in seen["labkit"] or \
         seen["labkit"]["MALLOC_MMAP_THRESHOLD_"] == os.environ.get("MALLOC_MMAP_THRESHOLD_")
+
+
+def test_the_lora_memory_row_measures_adapters_against_full_fine_tuning(tmp_path):
+    """The memory worker with fast=False and lora_rank on the test-scale model, in process:
+    LoRA holds no reference copy, no base gradients or optimizer states; the summary's row
+    and its table line follow from the two workers' figures."""
+    path = tmp_path / "small"
+    inputs.build_small_model(path, inputs.TEST_SMALL)
+    prompts = tuple(inputs.long_prompts(4, 16))
+    work = inputs.Work(str(path), prompts, tuple("0" for _ in prompts), max_new_tokens=8,
+                       batch_prompts=2, group_size=4, steps=1, warmup=0)
+    lora = workers.worker_memory(work, "grpo", fast=False, lora_rank=8)
+    full = workers.worker_memory(work, "grpo", fast=False, lora_rank=0)
+    assert lora["completions"] == full["completions"]  # lr 1e-30: the same samples
+    figures = report._lora_figures({"memory_lora": lora, "memory_full": full})
+    assert figures["lora_full_memory_ratio"] == lora["peak_growth_mb"] / full["peak_growth_mb"]
+    assert figures["lora_same_completions"] is True
+
+
+def test_the_lora_row_is_left_out_without_peft_or_with_no_lora(monkeypatch):
+    import argparse
+    import importlib.util
+
+    from labkit import bench
+
+    said = []
+    assert bench.lora_row(argparse.Namespace(lora=True), said.append) is True
+    assert bench.lora_row(argparse.Namespace(lora=False), said.append) is False and not said
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "peft" else real(name, *a))
+    assert bench.lora_row(argparse.Namespace(lora=True), said.append) is False
+    assert said == ["[bench] no LoRA memory row: peft is not installed "
+                    "(pip install 'labkit[lora]')"]

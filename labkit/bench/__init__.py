@@ -152,11 +152,12 @@ def run(args) -> dict:
         memory_work = replace(small, steps=2, warmup=0)
         for algo in ("grpo", "ppo"):
             results[f"memory_{algo}"] = run_worker("memory", memory_work, algo=algo)
-        say(f"[bench] memory: GRPO step with LoRA (rank {LORA_RANK}), with full fine-tuning, "
-            "both on the model's own forward")
-        for name, lora_rank in (("lora", LORA_RANK), ("full", 0)):
-            results[f"memory_{name}"] = run_worker("memory", memory_work, algo="grpo",
-                                                   fast=False, lora_rank=lora_rank)
+        if lora_row(args, say):
+            say(f"[bench] memory: GRPO step with LoRA (rank {LORA_RANK}), with full "
+                "fine-tuning, both on the model's own forward")
+            for name, lora_rank in (("lora", LORA_RANK), ("full", 0)):
+                results[f"memory_{name}"] = run_worker("memory", memory_work, algo="grpo",
+                                                       fast=False, lora_rank=lora_rank)
         points = scaling_points(args, small)
         if points is not None:
             say("[bench] scaling with G and completion length" if points["plain"] else
@@ -167,6 +168,19 @@ def run(args) -> dict:
             results["scaling_shape"] = {"group_size": small.group_size,
                                         "max_new_tokens": small.max_new_tokens}
     return summarize(results, params=params, device=device, precision=precision, args=args)
+
+
+def lora_row(args, say) -> bool:
+    """Whether to measure the LoRA memory row: unless --no-lora, and where peft is
+    installed (the `lora` extra; without it the row is left out and that is said)."""
+    if not args.lora:
+        return False
+    import importlib.util
+
+    if importlib.util.find_spec("peft") is None:
+        say("[bench] no LoRA memory row: peft is not installed (pip install 'labkit[lora]')")
+        return False
+    return True
 
 
 OUTLIER = 1.5
@@ -257,6 +271,8 @@ def add_parser(sub) -> None:
     cmd.add_argument("--beta", type=float, default=0.04, help="KL coefficient (> 0 so both "
                                                                "sides run the reference)")
     cmd.add_argument("--device", default=None, help="cpu or cuda[:N]; default: CUDA if present")
+    cmd.add_argument("--no-lora", dest="lora", action="store_false",
+                     help="skip the LoRA memory row (it needs peft, the `lora` extra)")
     cmd.add_argument("--no-scaling", dest="scaling", action="store_false",
                      help="skip the scaling sweep over G and completion length")
     cmd.add_argument("--scale", choices=list(SCALES), default="full",
