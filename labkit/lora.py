@@ -32,11 +32,14 @@ def require_peft():
 
 def lora_config(config):
     """peft's LoraConfig for a TrainConfig: rank, alpha, target modules, no dropout."""
+    from labkit.models import EMBEDDED, EMBEDDED_PATH
+
     peft = require_peft()
     targets = [t.strip() for t in config.lora_targets.split(",") if t.strip()]
+    base = EMBEDDED_PATH if config.model is None else EMBEDDED.get(config.model, config.model)
     return peft.LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha,
                            target_modules=targets, lora_dropout=0.0, bias="none",
-                           base_model_name_or_path=str(config.model))
+                           base_model_name_or_path=str(base))
 
 
 def add_adapters(model: nn.Module, config) -> nn.Module:

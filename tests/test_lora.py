@@ -4,6 +4,7 @@ adapters, and final/ is the merged model. On a random Qwen2 of scaled-down shape
 
 from __future__ import annotations
 
+import json
 import sys
 
 import pytest
@@ -133,6 +134,8 @@ def test_a_run_saves_the_merged_model_and_the_adapters(qwen_path, tmp_path):
         a, b, c = (m(input_ids=ids).logits for m in (merged, adapted, base))
     assert (a - b).abs().max() < 1e-5  # merged == base + adapters
     assert (a - c).abs().max() > 1e-4  # and the adapters learned something
+    adapter_config = json.loads((final / "adapter" / "adapter_config.json").read_text())
+    assert adapter_config["base_model_name_or_path"] == str(EMBEDDED_PATH)
 
 
 def test_bad_lora_settings_are_said_before_the_model_trains(qwen_path, monkeypatch):
