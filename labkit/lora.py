@@ -5,8 +5,9 @@ with B = 0 at the start, and only A and B train (peft's `inject_adapter_in_model
 the model keeps its class, config and forward). The reference is the same model with its
 adapters switched off (`AdaptersOff`), so no second copy is loaded; PPO's critic gets
 adapters of its own on its own backbone copy, and a value head that trains in full.
-Checkpoints hold the adapters alone (`adapter_state`); a run's `final/` is the merged model
-(a plain model folder) with the adapters beside it in peft's format (`final/adapter/`).
+Checkpoints hold the weights that train (`labkit.learner.learner_state`); a run's `final/`
+is the merged model (a plain model folder) with the adapters beside it in peft's format
+(`final/adapter/`).
 
 labkit's lean passes (`labkit.fast`) read the weights directly and do not take adapters:
 `labkit.fast.unsupported` sees the adapter layers and the models run their own forward.
@@ -62,13 +63,6 @@ def _adapter_layers(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
 
 
-def has_adapters(model: nn.Module) -> bool:
-    try:
-        return bool(_adapter_layers(model))
-    except ImportError:  # no peft: no adapters either
-        return False
-
-
 class AdaptersOff(nn.Module):
     """The model with its adapters switched off, as a module of its own: the reference of a
     LoRA run. It holds no weights; a call runs the wrapped model's forward with every adapter
@@ -93,15 +87,6 @@ class AdaptersOff(nn.Module):
 def adapter_state(model: nn.Module) -> dict:
     """The adapters' weights of `model`'s state dict (the keys naming lora_A / lora_B)."""
     return {k: v for k, v in model.state_dict().items() if ".lora_" in k}
-
-
-def load_adapter_state(model: nn.Module, state: dict) -> None:
-    """Load `adapter_state`'s weights; every adapter weight of the model must be there."""
-    result = model.load_state_dict(state, strict=False)
-    missing = [k for k in result.missing_keys if ".lora_" in k]
-    if missing or result.unexpected_keys:
-        raise ValueError(f"the checkpoint's adapters do not fit the model: missing "
-                         f"{missing[:3]}, unexpected {result.unexpected_keys[:3]}")
 
 
 def merged(model: nn.Module) -> nn.Module:
