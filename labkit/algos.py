@@ -22,7 +22,7 @@ from labkit.config import TrainConfig
 from labkit.loss_modes import high_entropy_mask, policy_loss_mode
 from labkit.metrics import masked_mean
 from labkit.rollout import RolloutBatch
-from labkit.scoring import FAST_PASSES, Passes, token_logprobs, token_scores, token_values
+from labkit.scoring import FAST_PASSES, Passes, token_scores, token_values
 
 
 @dataclass
@@ -292,10 +292,7 @@ def rescore(config: TrainConfig, learner: Learner,
     importance weights (N, T) or None, rows kept by the rejection (N,) or None, stats)."""
     if not config.rescores_old:
         return batch, None, None, {}
-    with torch.inference_mode(), learner.accelerator.autocast():
-        logp, _ = token_logprobs(learner.policy, batch, temperature=config.temperature,
-                                 share_prompt=config.share_prompt, forward=learner.passes.lm)
-    logp = logp.float().clone()
+    logp = _no_grad_scores(config, learner.policy, learner, batch, distribution=False)
     mask, sampler = batch.completion_mask, batch.old_logprobs
     stats = mismatch.mismatch_stats(logp, sampler, mask)
     log_ratio = torch.where(mask.bool(), logp - sampler, torch.zeros_like(logp))
