@@ -421,7 +421,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     if args.command == "train":
-        print(json.dumps(result))
+        from accelerate import PartialState
+
+        if PartialState().is_main_process:  # several processes: the summary once
+            print(json.dumps(result))
         return 0
     width = max(map(len, result))
     for key, value in result.items():

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from labkit import advantages as adv
-from labkit import losses, mismatch
+from labkit import losses, mismatch, parallel
 from labkit.config import TrainConfig
 from labkit.loss_modes import high_entropy_mask, policy_loss_mode
 from labkit.metrics import masked_mean
@@ -94,14 +94,15 @@ def kept_rows(config: TrainConfig, rewards: Tensor, truncated: Tensor | None = N
     return torch.nonzero(keep).squeeze(-1)
 
 
-def _micro_batches(config: TrainConfig, rows: Tensor, step_seed: int):
+def _micro_batches(config: TrainConfig, rows: Tensor, step_seed: int, processes: int = 1):
     """For each optimizer step, its pass over the batch (0 for the first) and its
-    micro-batches of row indices (a shuffled split)."""
+    micro-batches of row indices (a shuffled split into grad_accum x processes)."""
     generator = torch.Generator().manual_seed(step_seed)
     for pass_index in range(config.num_iterations):
         order = rows[torch.randperm(len(rows), generator=generator).to(rows.device)]
         for minibatch in order.chunk(config.minibatches):
-            yield pass_index, [m for m in minibatch.chunk(config.grad_accum) if len(m)]
+            parts = minibatch.chunk(config.grad_accum * processes)
+            yield pass_index, [m for m in parts if len(m)]
 
 
 def _share(config: TrainConfig, mask: Tensor, micro: Tensor, minibatch: Tensor) -> float:
@@ -184,30 +185,48 @@ def _minibatch_terms(config: TrainConfig, learner: Learner, batch: RolloutBatch,
                      micro_batches: list[Tensor], advantages: Tensor, ref_logp: Tensor | None,
                      old_values: Tensor | None, returns: Tensor | None,
                      token_weight: Tensor | None = None) -> dict:
-    """Backward of one minibatch's loss, micro-batch by micro-batch; its stats, each micro-
-    batch's weighted by its share of the minibatch."""
-    acc, sums, mask = learner.accelerator, defaultdict(float), batch.completion_mask
+    """Backward of one minibatch's loss, micro-batch by micro-batch (on several processes,
+    this process's micro-batches); its stats, each micro-batch's weighted by its share of
+    the minibatch (summed over the processes)."""
+    acc, sums = learner.accelerator, defaultdict(float)
     minibatch = torch.cat(micro_batches)
-    for micro in micro_batches:
-        share = _share(config, mask, micro, minibatch)
-        with acc.autocast():
-            loss, stats = policy_terms(config, learner, batch, micro, advantages, ref_logp,
-                                       token_weight)
-            if learner.critic is not None:
-                values = token_values(learner.critic, batch, micro,
-                                      share_prompt=config.share_prompt)
-                v_loss, v_stats = losses.value_loss(
-                    values, old_values[micro], returns[micro], mask[micro],
-                    clip=config.value_clip, agg=config.agg, max_len=config.max_new_tokens)
-                stats |= {**v_stats, "loss/value": v_loss.item()}
-                loss = loss + v_loss  # separate networks: each gets its own gradient
-        if not torch.isfinite(loss):
-            raise FloatingPointError(f"non-finite loss ({loss.item()}) in the update")
-        stats["loss/total"] = loss.item()
-        acc.backward(loss * share)
-        for key, value in stats.items():
-            sums[key] += value * share
-    return sums
+    error = None
+    try:
+        for index, micro in enumerate(micro_batches):
+            if parallel.mine(index, acc):
+                _micro_terms(config, learner, batch, micro, minibatch, advantages, ref_logp,
+                             old_values, returns, token_weight, sums)
+    except FloatingPointError as e:
+        error = e
+    parallel.raise_together(error, acc)
+    return parallel.sum_stats(sums, acc)
+
+
+def _micro_terms(config: TrainConfig, learner: Learner, batch: RolloutBatch, micro: Tensor,
+                 minibatch: Tensor, advantages: Tensor, ref_logp: Tensor | None,
+                 old_values: Tensor | None, returns: Tensor | None,
+                 token_weight: Tensor | None, sums: dict) -> None:
+    """Backward of one micro-batch's loss, weighted by its share of the minibatch; its
+    stats, so weighted, added to `sums`."""
+    acc, mask = learner.accelerator, batch.completion_mask
+    share = _share(config, mask, micro, minibatch)
+    with acc.autocast():
+        loss, stats = policy_terms(config, learner, batch, micro, advantages, ref_logp,
+                                   token_weight)
+        if learner.critic is not None:
+            values = token_values(learner.critic, batch, micro,
+                                  share_prompt=config.share_prompt)
+            v_loss, v_stats = losses.value_loss(
+                values, old_values[micro], returns[micro], mask[micro],
+                clip=config.value_clip, agg=config.agg, max_len=config.max_new_tokens)
+            stats |= {**v_stats, "loss/value": v_loss.item()}
+            loss = loss + v_loss  # separate networks: each gets its own gradient
+    if not torch.isfinite(loss):
+        raise FloatingPointError(f"non-finite loss ({loss.item()}) in the update")
+    stats["loss/total"] = loss.item()
+    acc.backward(loss * share)
+    for key, value in stats.items():
+        sums[key] += value * share
 
 
 def update(config: TrainConfig, learner: Learner, batch: RolloutBatch, rows: Tensor,
@@ -218,9 +237,12 @@ def update(config: TrainConfig, learner: Learner, batch: RolloutBatch, rows: Ten
     (num_iterations > 1) the mean of the clip fractions over passes >= 2 as `reuse/clip_*`.
     token_weight `(N, T)`: importance weights on the policy loss (the mismatch's)."""
     sums, reuse, steps, reuse_steps = defaultdict(float), defaultdict(float), 0, 0
-    for pass_index, micro_batches in _micro_batches(config, rows, step_seed):
+    acc = learner.accelerator
+    for pass_index, micro_batches in _micro_batches(config, rows, step_seed,
+                                                    parallel.size(acc)):
         stats = _minibatch_terms(config, learner, batch, micro_batches, advantages, ref_logp,
                                  old_values, returns, token_weight)
+        parallel.sum_grads([m for m in (learner.policy, learner.critic) if m is not None], acc)
         stats["perf/grad_norm"] = _optimizer_step(learner, learner.policy.parameters(),
                                                   learner.optimizer, learner.scheduler,
                                                   config.max_grad_norm)
@@ -249,13 +271,29 @@ def _reference_logprobs(config: TrainConfig, learner: Learner, batch: RolloutBat
 
 def _no_grad_scores(config: TrainConfig, model, learner: Learner, batch: RolloutBatch, *,
                     distribution: bool) -> Tensor:
-    # inference mode: no autograd bookkeeping on a pass nothing differentiates
-    with torch.inference_mode(), learner.accelerator.autocast():
-        scores = token_scores(model, batch, temperature=config.temperature,
+    # inference mode: no autograd bookkeeping on a pass nothing differentiates; on several
+    # processes each scores its own rows and the parts are gathered
+    acc = learner.accelerator
+    rows = None if parallel.size(acc) == 1 else \
+        parallel.own_rows(batch.completion_ids.shape[0], acc, batch.completion_ids.device)
+    with torch.inference_mode(), acc.autocast():
+        scores = token_scores(model, batch, rows, temperature=config.temperature,
                               distribution=distribution, share_prompt=config.share_prompt,
                               forward=learner.passes.lm)
     out = scores.log_dist if distribution else scores.logp
-    return out.clone()  # an ordinary tensor, which the loss may keep for its backward
+    # an ordinary tensor, which the loss may keep for its backward
+    return parallel.gather_rows(out.clone(), acc)
+
+
+def old_values(config: TrainConfig, learner: Learner, batch: RolloutBatch) -> Tensor:
+    """The critic's values (N, T) before the update, fp32 (on several processes, each
+    process's rows, gathered)."""
+    acc = learner.accelerator
+    rows = None if parallel.size(acc) == 1 else \
+        parallel.own_rows(batch.completion_ids.shape[0], acc, batch.completion_ids.device)
+    with torch.inference_mode(), acc.autocast():
+        values = token_values(learner.critic, batch, rows, share_prompt=config.share_prompt)
+    return parallel.gather_rows(values.float().clone(), acc)  # an ordinary tensor
 
 
 def sampling_side(config: TrainConfig, learner: Learner, batch: RolloutBatch) -> Tensor:
@@ -376,9 +414,7 @@ def ppo_step(config: TrainConfig, learner: Learner, batch: RolloutBatch, rewards
     batch, weights, keep, mismatch_stats = rescore(config, learner, batch)
     mask = batch.completion_mask
     ref_logp = _reference_logprobs(config, learner, batch)
-    with torch.inference_mode(), learner.accelerator.autocast():
-        old_values = token_values(learner.critic, batch, share_prompt=config.share_prompt)
-    old_values = old_values.float().clone()  # (N, T), an ordinary tensor
+    values = old_values(config, learner, batch)  # (N, T)
     in_reward = ref_logp is not None and config.kl_place == "reward"
     old = sampling_side(config, learner, batch) if in_reward else None
     token_rewards = losses.ppo_token_rewards(
@@ -387,17 +423,17 @@ def ppo_step(config: TrainConfig, learner: Learner, batch: RolloutBatch, rewards
         kind=config.kl_estimator)
     estimator = adv.ESTIMATORS.resolve(config.estimator, "estimator")  # gae by default
     advantages = estimator(advantage_inputs(config, rewards, mask, token_rewards=token_rewards,
-                                            extras={**(extras or {}), "values": old_values}))
-    _, returns = adv.gae(token_rewards, old_values, mask, gamma=config.gamma, lam=config.lam)
+                                            extras={**(extras or {}), "values": values}))
+    _, returns = adv.gae(token_rewards, values, mask, gamma=config.gamma, lam=config.lam)
     rows = kept_rows(config, rewards, batch.truncated, keep)
     stats = {"rollout/kept_frac": len(rows) / rewards.shape[0], **mismatch_stats}
     if len(rows) == 0:  # every completion was cut or rejected: nothing to learn
-        return StepOutput(advantages, stats, values=old_values, returns=returns)
+        return StepOutput(advantages, stats, values=values, returns=returns)
     stats |= update(config, learner, batch, rows, advantages, step_seed, token_weight=weights,
-                   ref_logp=None if in_reward else ref_logp, old_values=old_values,
+                   ref_logp=None if in_reward else ref_logp, old_values=values,
                    returns=returns)
     if in_reward:
         stats["policy/kl"] = masked_mean(losses.kl(old, ref_logp, config.kl_estimator), mask)
     stats |= kl_k1(batch, ref_logp)
     stats |= adapt_beta(config, learner, batch, ref_logp, old)
-    return StepOutput(advantages, stats, values=old_values, returns=returns)
+    return StepOutput(advantages, stats, values=values, returns=returns)

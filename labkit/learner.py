@@ -205,15 +205,32 @@ def build_learner(config: TrainConfig, accelerator):
                                  config.weight_decay)
         critic_scheduler = torch.optim.lr_scheduler.LambdaLR(critic_optimizer, factor)
         policy, optimizer, scheduler, critic, critic_optimizer, critic_scheduler = \
-            accelerator.prepare(policy, optimizer, scheduler, critic, critic_optimizer,
-                                critic_scheduler)
+            _prepare(accelerator, policy, optimizer, scheduler, critic, critic_optimizer,
+                     critic_scheduler)
         learner = Learner(policy, optimizer, scheduler, accelerator, reference, critic,
                           critic_optimizer, critic_scheduler, passes, beta=config.beta)
     else:
-        policy, optimizer, scheduler = accelerator.prepare(policy, optimizer, scheduler)
+        policy, optimizer, scheduler = _prepare(accelerator, policy, optimizer, scheduler)
         learner = Learner(policy, optimizer, scheduler, accelerator, reference, passes=passes,
                           beta=config.beta)
     return learner, tokenizer
+
+
+def _prepare(accelerator, *objects):
+    """`accelerator.prepare` for one process. On several, the models are prepared without
+    DistributedDataParallel (`labkit.parallel` sums the gradients itself, once per optimizer
+    step) and the schedules are left as they are (accelerate's wrapper would step them once
+    per process)."""
+    if accelerator.num_processes == 1:
+        return accelerator.prepare(*objects)
+    out = []
+    for obj in objects:
+        if isinstance(obj, torch.nn.Module):
+            obj = accelerator.prepare_model(obj, evaluation_mode=True)
+        elif isinstance(obj, torch.optim.Optimizer):
+            obj = accelerator.prepare_optimizer(obj)
+        out.append(obj)
+    return tuple(out)
 
 
 def learner_state(learner: Learner) -> dict:

@@ -212,7 +212,8 @@ bf16 under the autocast the caller opens."""
 def rollout(model, tokenizer, prompts: Sequence[str], *, group_size: int,
             max_new_tokens: int = 16, temperature: float = 1.0, top_k: int = 0,
             top_p: float = 1.0, greedy: bool = False, seed: int | None = None,
-            decoder: Callable = fast_decoder) -> RolloutBatch:
+            decoder: Callable = fast_decoder,
+            shard: tuple[int, int] | None = None) -> RolloutBatch:
     """Sample `group_size` completions for each prompt.
 
     Each prompt is prefilled once; its KV cache is repeated G times and the N rows decode
@@ -223,8 +224,15 @@ def rollout(model, tokenizer, prompts: Sequence[str], *, group_size: int,
     `seed` makes the draws repeatable; None uses torch's global generator.
     `decoder(model, prompt_ids, group_size)` starts the decoding: `fast_decoder` (default)
     or `model_decoder`, or e.g. `labkit.fast.decoder_or(model_decoder, shared_prefix=True)`.
+    `shard` = (first, total): these prompts are prompts first.. of a batch of `total` (one
+    process's share, `labkit.parallel`); each decode step draws the whole batch's uniforms
+    and keeps these rows', so the share's samples are the whole rollout's rows for them.
     """
     _check(group_size, max_new_tokens, temperature, top_k, top_p, greedy)
+    if shard is not None and (seed is None or not 0 <= shard[0] <= shard[1] - len(prompts)):
+        raise ValueError(f"shard={shard} needs a seed and must hold the {len(prompts)} "
+                         "prompts: (first, total) with first + len(prompts) <= total")
+    rows = None if shard is None else (shard[0] * group_size, shard[1] * group_size)
     device = next(model.parameters()).device
     stop = eos_ids(model, tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop[0]
@@ -241,7 +249,7 @@ def rollout(model, tokenizer, prompts: Sequence[str], *, group_size: int,
     def draw(logits: Tensor) -> tuple[Tensor, Tensor]:
         scaled = logits if greedy or temperature == 1.0 else logits / temperature
         token = scaled.argmax(-1) if greedy else \
-            sample(filter_logits(scaled, top_k, top_p), generator)
+            sample(filter_logits(scaled, top_k, top_p), generator, rows)
         return token, scaled.log_softmax(-1).gather(-1, token[:, None])
 
     try:
@@ -286,16 +294,20 @@ def _decode(engine, prompt_ids: Tensor, prompt_mask: Tensor, G: int, T: int, dra
     return torch.stack(steps_tokens, dim=1), torch.cat(steps_logps, dim=1)  # (N, T')
 
 
-def sample(logits: Tensor, generator: torch.Generator | None = None) -> Tensor:
+def sample(logits: Tensor, generator: torch.Generator | None = None,
+           rows: tuple[int, int] | None = None) -> Tensor:
     """One token id per row (N,) drawn from softmax(logits) (N, V): the row's argmax of
     log(U) / p with U ~ Uniform(0, 1) i.i.d., which picks token i with probability p_i.
     (-log U is an Exp(1) time E, so this is the argmax of p / E: the first of independent
     exponential clocks with rates p_i to ring.) One pass, where torch.multinomial also
     validates its input on every call; and on a CPU uniform draws plus a log cost less
-    than torch's exponential draws (docs/performance.md)."""
+    than torch's exponential draws (docs/performance.md). `rows` = (first, total): the
+    uniforms are drawn for `total` rows and rows first.. kept (a share of a larger batch)."""
     probs = logits.softmax(-1)
-    uniform = torch.rand(probs.shape, generator=generator, dtype=probs.dtype,
-                         device=probs.device)
+    shape = probs.shape if rows is None else (rows[1], probs.shape[-1])
+    uniform = torch.rand(shape, generator=generator, dtype=probs.dtype, device=probs.device)
+    if rows is not None:
+        uniform = uniform[rows[0]:rows[0] + probs.shape[0]]
     return uniform.log_().div_(probs).argmax(-1)
 
 

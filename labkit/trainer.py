@@ -25,7 +25,7 @@ import torch
 from tqdm.auto import tqdm
 
 from labkit import metrics as M
-from labkit import reward_specs, rundir, stops
+from labkit import parallel, reward_specs, rundir, stops
 from labkit.advantages import ESTIMATORS, NonFiniteError
 from labkit.algos import Learner, StepOutput, grpo_step, ppo_step
 from labkit.config import TrainConfig, preflight
@@ -72,11 +72,12 @@ class Trainer:
     Built from a config, it seeds python's and torch's generators with `config.seed` first;
     two Trainers of one config step alike (on the CPU)."""
 
-    def __init__(self, config: TrainConfig):
+    def __init__(self, config: TrainConfig, accelerator=None):
         random.seed(config.seed)
         torch.manual_seed(config.seed)
         self.config = config
-        self.accelerator = make_accelerator(config)
+        self.accelerator = accelerator or make_accelerator(config)
+        parallel.check_launch(config, self.accelerator)
         self.learner, self.tokenizer = build_learner(config, self.accelerator)
         self.problems = ProblemSource(config)
 
@@ -159,13 +160,17 @@ def _one_step(config, learner, tokenizer, problems, step: int, step_seed: int) -
     bf16_sampler = config.sampler_precision == "bf16"
     region = torch.autocast(device.type, dtype=torch.bfloat16) if bf16_sampler \
         else learner.accelerator.autocast()
+    # several processes: each samples its share of the prompts; every one gets the whole
+    first, stop = parallel.prompt_share(len(problems), learner.accelerator)
+    shard = None if parallel.size(learner.accelerator) == 1 else (first, len(problems))
     with region:
-        batch = rollout(policy, tokenizer, [p.prompt for p in problems],
+        batch = rollout(policy, tokenizer, [p.prompt for p in problems[first:stop]],
                         group_size=config.group_size, max_new_tokens=config.max_new_tokens,
                         temperature=config.sampler_temperature or config.temperature,
                         top_k=config.top_k, top_p=config.top_p, seed=step_seed,
                         decoder=learner.passes.bf16_decoder if bf16_sampler
-                        else learner.passes.decoder)
+                        else learner.passes.decoder, shard=shard)
+    batch = parallel.gather_batch(batch, learner.accelerator, tokenizer.pad_token_id)
     rows = [p for p in problems for _ in range(config.group_size)]  # (N,)
     rewards = torch.tensor(reward_specs.score(config.reward, rows, batch.texts, step_seed),
                            device=device)
@@ -250,29 +255,40 @@ def train(config: TrainConfig | None = None, *, resume: str | Path | None = None
     loss, reward or advantage raises RunAborted after checkpointing the last whole step.
     """
     start_time = time.perf_counter()
+    run_dir = None
     if resume is not None:
         run_dir = Path(resume)
         config = TrainConfig.from_dict(rundir.read_config(run_dir))
-        lock = rundir.RunLock(run_dir)
+        if (run_dir / STOPPED).is_file():
+            raise ValueError(f"{run_dir} was stopped ({_stop_message(run_dir)}): "
+                             "it is finished; start a new run to train further")
     else:
         config = config or TrainConfig()
         preflight(config)  # what the config names is on this machine, before anything is made
-        if config.run_dir:
+    accelerator = make_accelerator(config)  # a distributed launch: joins the other processes
+    parallel.check_launch(config, accelerator)
+    main, lock = accelerator.is_main_process, None
+    if main:  # several processes: the main one takes the directory, and alone writes there
+        if resume is not None:
+            lock = rundir.RunLock(run_dir)
+        elif config.run_dir:
             lock = rundir.claim_run_dir(config.run_dir)
             run_dir = lock.run_dir
         else:
             run_dir = rundir.new_run_dir(config.algo)
             lock = rundir.RunLock(run_dir)
+    run_dir = parallel.broadcast(run_dir, accelerator)
     set_threads(config.threads)
     try:
-        if resume is None:
+        if main and resume is None:
             rundir.write_config(run_dir, config.to_dict(), machine(config))
-        elif (run_dir / STOPPED).is_file():
-            raise ValueError(f"{run_dir} was stopped ({_stop_message(run_dir)}): "
-                             "it is finished; start a new run to train further")
-        return _train(config, run_dir, resume is not None, callbacks, start_time)
+        trainer = Trainer(config, accelerator)
+        if not main:
+            return _follow(trainer, run_dir, resume is not None)
+        return _train(trainer, run_dir, resume is not None, callbacks, start_time)
     finally:
-        lock.release()
+        if lock is not None:
+            lock.release()
 
 
 def _stop_message(run_dir: Path) -> str:
@@ -308,9 +324,9 @@ class _RunLog:
             self.accuracy.append(record["eval/accuracy"])
 
 
-def _train(config: TrainConfig, run_dir: Path, resuming: bool,
+def _train(trainer: Trainer, run_dir: Path, resuming: bool,
            callbacks: Sequence[Callable[[StepReport], None]], start_time: float) -> RunResult:
-    trainer = Trainer(config)
+    config = trainer.config
     metrics_path = run_dir / "metrics.jsonl"
     first = _resume_point(trainer.learner, run_dir, metrics_path) if resuming else 1
     log = _RunLog(config, metrics_path)
@@ -326,10 +342,30 @@ def _train(config: TrainConfig, run_dir: Path, resuming: bool,
     last = stopped.step if stopped is not None else config.steps
     _finish(run_dir, trainer.learner, trainer.policy, trainer.tokenizer, last, stopped,
             trainer.config)
-    return RunResult(run_dir, config, last, accuracy[0] if accuracy else float("nan"),
-                     accuracy[-1] if accuracy else float("nan"), time.perf_counter() - start_time,
-                     log.records, stopped=stopped.message() if stopped is not None else None,
-                     dead=log.watch.dead.to_dict() if log.watch.dead is not None else None)
+    result = RunResult(run_dir, config, last, accuracy[0] if accuracy else float("nan"),
+                       accuracy[-1] if accuracy else float("nan"),
+                       time.perf_counter() - start_time, log.records,
+                       stopped=stopped.message() if stopped is not None else None,
+                       dead=log.watch.dead.to_dict() if log.watch.dead is not None else None)
+    return parallel.broadcast(result, trainer.accelerator)
+
+
+def _follow(trainer: Trainer, run_dir: Path, resuming: bool) -> RunResult:
+    """A process other than the main one: from the same checkpoint, the same steps (its
+    share of each), stopping where the main process stops; it writes nothing and returns
+    the main process's RunResult."""
+    acc = trainer.accelerator
+    if resuming:
+        _resume_point(trainer.learner, run_dir, None, main=False)
+    for step in parallel.broadcast(None, acc):  # the steps the main process runs
+        try:
+            trainer.step(step)
+        except (FloatingPointError, RewardError, NonFiniteError) as e:
+            raise RunAborted(f"step {step}: {e}; the run stopped (the main process keeps "
+                             "its checkpoint)") from e
+        if parallel.broadcast(None, acc):  # the main process stops here
+            break
+    return parallel.broadcast(None, acc)
 
 
 def _run_steps(trainer: Trainer, log: _RunLog, first: int, run_dir: Path,
@@ -338,6 +374,7 @@ def _run_steps(trainer: Trainer, log: _RunLog, first: int, run_dir: Path,
     and checkpointed every `checkpoint_every`, until a stop rule fires."""
     config, learner = trainer.config, trainer.learner
     todo = range(first, config.steps + 1) if log.stopped is None else range(0)
+    parallel.broadcast(todo, learner.accelerator)  # on several processes: the steps to run
     bar = tqdm(todo, desc=config.algo, disable=not config.progress, initial=first - 1,
                total=config.steps)
     step, updates_before = first - 1, update_count(learner)
@@ -359,7 +396,7 @@ def _run_steps(trainer: Trainer, log: _RunLog, first: int, run_dir: Path,
                                     result.batch, config))
             bar.set_postfix(reward=f"{record['rollout/reward_mean']:.2f}",
                             acc=f"{log.accuracy[-1]:.2f}" if log.accuracy else "-")
-            if log.stopped is not None:
+            if parallel.broadcast(log.stopped is not None, learner.accelerator):
                 break
             if config.checkpoint_every and step % config.checkpoint_every == 0:
                 rundir.save_checkpoint(run_dir, step, learner_state(learner))
@@ -380,16 +417,22 @@ def _say_dead(run_dir: Path, bar, dead: stops.Dead, stopping: bool) -> None:
                    file=sys.stderr)
 
 
-def _resume_point(learner: Learner, run_dir: Path, metrics_path: Path) -> int:
+def _resume_point(learner: Learner, run_dir: Path, metrics_path: Path | None,
+                  main: bool = True) -> int:
     """Restore the latest checkpoint and cut metrics.jsonl back to it; the first step to run.
-    The records after the checkpoint (and a torn last line) go: those steps run again."""
-    checkpoint = rundir.latest_checkpoint(run_dir)
+    The records after the checkpoint (and a torn last line) go: those steps run again. On
+    several processes every one restores the checkpoint the main one found, and only the
+    main one cuts the records."""
+    found = rundir.latest_checkpoint(run_dir) if main else None
+    checkpoint = parallel.broadcast(found, learner.accelerator)
     if checkpoint is None:  # killed before its first checkpoint: start over
-        rundir.truncate_metrics(metrics_path, -1)
+        if main:
+            rundir.truncate_metrics(metrics_path, -1)
         return 1
     state = rundir.load_checkpoint(checkpoint)
     restore_learner(learner, state)
-    rundir.truncate_metrics(metrics_path, state["step"])
+    if main:
+        rundir.truncate_metrics(metrics_path, state["step"])
     return state["step"] + 1
 
 

@@ -1,0 +1,210 @@
+"""Training on several processes (labkit.parallel): a share's rollout is the whole rollout's
+rows, and a 2-process run (gloo, on the CPU) updates and logs what one process does."""
+
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from labkit import parallel
+from labkit.algos import _micro_batches
+from labkit.config import TrainConfig
+from labkit.rollout import rollout
+from labkit.rundir import latest_checkpoint, read_metrics
+from labkit.trainer import train
+
+REPO = Path(__file__).resolve().parents[1]
+RUN = ["--steps", "2", "--batch-prompts", "4", "--group-size", "4", "--max-new-tokens", "12",
+       "--eval-every", "2", "--eval-n", "8", "--eval-samples", "0", "--cgc-prompts", "0",
+       "--progress", "false", "--lr", "1e-3", "--seed", "1", "--checkpoint-every", "1",
+       "--entropy-coef", "0.01"]
+"""Small steps; the entropy bonus gives every row a gradient (a group of equal rewards has
+none from the policy loss), so every process's micro-batches move the weights."""
+PROMPTS = ["What is 2 + 3?", "What is 7 - 4?", "What is 3 * 3?", "What is 8 - 1?",
+           "What is 1 + 1?", "What is 9 - 5?"]
+
+
+def _one_process(**settings) -> dict:
+    """RUN's flags as a TrainConfig (one process, in this one)."""
+    given = dict(zip(RUN[::2], RUN[1::2]))
+    values = {k[2:].replace("-", "_"): v for k, v in given.items()}
+    types = {"progress": lambda v: v == "true", "lr": float, "entropy_coef": float}
+    return {k: types.get(k, int)(v) for k, v in values.items()} | settings
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _two_processes(*args, launcher: str = "torchrun") -> subprocess.CompletedProcess:
+    """`labkit train ARGS` on 2 processes, by torch.distributed.run or accelerate launch
+    with the repository's MULTI_CPU config (one thread each: the machine's two cores)."""
+    if launcher == "torchrun":
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                   "--master_port", str(_free_port())]
+    else:
+        command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                   str(REPO / "scripts" / "accelerate" / "two_processes.yaml"),
+                   "--main_process_port", str(_free_port())]
+    done = subprocess.run([*command, "-m", "labkit", "train", *map(str, args)], cwd=REPO,
+                          capture_output=True, text=True, timeout=600,
+                          env={**_env(), "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+def _env() -> dict:
+    import os
+
+    return dict(os.environ)
+
+
+def _state(run_dir) -> dict:
+    return torch.load(latest_checkpoint(run_dir), weights_only=False)
+
+
+def _assert_same_run(one: Path, two: Path, atol: float, rtol: float = 0.0) -> None:
+    """Equal weights (policy, critic) and equal logged metrics, to `atol` and `rtol`."""
+    a, b = _state(one), _state(two)
+    for part in ("policy", "critic"):
+        assert (part in a) == (part in b)
+        for key in a.get(part, {}):
+            torch.testing.assert_close(a[part][key], b[part][key], atol=atol, rtol=rtol,
+                                       msg=f"{part}.{key}")
+    ra, rb = read_metrics(one / "metrics.jsonl"), read_metrics(two / "metrics.jsonl")
+    assert [r["step"] for r in ra] == [r["step"] for r in rb]
+    for x, y in zip(ra, rb):
+        assert x.keys() == y.keys()
+        for key in x:
+            if not key.startswith("perf/"):
+                assert x[key] == pytest.approx(y[key], abs=max(atol, 1e-6), rel=rtol,
+                                               nan_ok=True), key
+
+
+def test_a_shares_rollout_is_the_whole_rollouts_rows(tiny):
+    model, tokenizer = tiny
+    settings = dict(group_size=3, max_new_tokens=10, seed=7)
+    whole = rollout(model, tokenizer, PROMPTS, **settings)
+    G, T = 3, whole.completion_ids.shape[1]
+    for first, stop in ((0, 2), (2, 4), (4, 6), (1, 6)):
+        part = rollout(model, tokenizer, PROMPTS[first:stop], shard=(first, len(PROMPTS)),
+                       **settings)
+        rows = slice(first * G, stop * G)
+        t = part.completion_ids.shape[1]
+        assert t <= T
+        mask = whole.completion_mask[rows]
+        assert torch.equal(part.completion_mask, mask[:, :t]) and not mask[:, t:].any()
+        assert torch.equal(part.completion_ids * part.completion_mask,
+                           whole.completion_ids[rows, :t] * mask[:, :t])
+        torch.testing.assert_close(part.old_logprobs, whole.old_logprobs[rows, :t])
+        assert part.texts == whole.texts[rows]
+    # unsharded, the same prompts draw other numbers: the shard is what makes them agree
+    alone = rollout(model, tokenizer, PROMPTS[2:4], **settings)
+    assert alone.texts != whole.texts[2 * G:4 * G]
+
+
+def test_a_shard_needs_a_seed_and_must_hold_its_prompts(tiny):
+    model, tokenizer = tiny
+    with pytest.raises(ValueError, match="shard"):
+        rollout(model, tokenizer, PROMPTS[:2], group_size=2, shard=(0, 4))
+    with pytest.raises(ValueError, match="shard"):
+        rollout(model, tokenizer, PROMPTS[:3], group_size=2, seed=0, shard=(2, 4))
+
+
+class _Processes(SimpleNamespace):
+    """The two attributes of an accelerator that labkit.parallel reads."""
+
+
+def test_prompt_shares_cover_the_batch_in_order():
+    shares = [parallel.prompt_share(8, _Processes(num_processes=4, process_index=r))
+              for r in range(4)]
+    assert shares == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    rows = [parallel.own_rows(12, _Processes(num_processes=3, process_index=r)).tolist()
+            for r in range(3)]
+    assert sum(rows, []) == list(range(12))
+    dealt = [[i for i in range(6) if parallel.mine(i, _Processes(num_processes=2,
+                                                                  process_index=r))]
+             for r in range(2)]
+    assert dealt == [[0, 2, 4], [1, 3, 5]]
+
+
+def test_the_split_must_be_whole_groups_and_micro_batches():
+    parallel.check_split(TrainConfig(batch_prompts=5), 1)
+    parallel.check_split(TrainConfig(batch_prompts=4, group_size=4), 2)
+    with pytest.raises(ValueError, match=r"batch_prompts=5 must be a multiple of .* \(2\)"):
+        parallel.check_split(TrainConfig(batch_prompts=5), 2)
+    with pytest.raises(ValueError, match=r"grad_accum=3 x 2 processes must divide"):
+        parallel.check_split(TrainConfig(batch_prompts=4, group_size=3, minibatches=4,
+                                         grad_accum=3), 2)
+
+
+def test_only_data_parallel_launches_train():
+    config = TrainConfig(batch_prompts=4)
+    parallel.check_launch(config, _Processes(num_processes=2, process_index=0,
+                                             distributed_type="MULTI_GPU"))
+    for kind in ("FSDP", "DEEPSPEED"):
+        with pytest.raises(ValueError, match=f"launched this run as {kind}.*--multi_gpu"):
+            parallel.check_launch(config, _Processes(num_processes=2, process_index=0,
+                                                     distributed_type=kind))
+    with pytest.raises(ValueError, match="batch_prompts=4 must be a multiple"):
+        parallel.check_launch(config, _Processes(num_processes=3, process_index=0,
+                                                 distributed_type="MULTI_CPU"))
+
+
+def test_processes_take_grad_accum_micro_batches_each():
+    config = TrainConfig(batch_prompts=4, group_size=4, minibatches=2, grad_accum=2)
+    rows = torch.arange(16)
+    one = list(_micro_batches(config, rows, step_seed=5, processes=1))
+    two = list(_micro_batches(config, rows, step_seed=5, processes=2))
+    assert [len(m) for _, m in one] == [2, 2] and [len(m) for _, m in two] == [4, 4]
+    for (_, a), (_, b) in zip(one, two):  # the same minibatches, cut finer
+        assert torch.equal(torch.cat(a), torch.cat(b))
+
+
+def test_two_processes_train_as_one_grpo(tmp_path):
+    """accelerate launch, 2 processes (grad_accum 1: 2 micro-batches a minibatch) against
+    one process with grad_accum 2 (the same micro-batches) and with grad_accum 1 (one
+    micro-batch: equal up to the float rounding of a token-mean over a split)."""
+    _two_processes(*RUN, "--run-dir", tmp_path / "two", launcher="accelerate")
+    train(TrainConfig(run_dir=str(tmp_path / "one"), **_one_process(grad_accum=2, threads=1)))
+    _assert_same_run(tmp_path / "one", tmp_path / "two", atol=1e-6)
+    train(TrainConfig(run_dir=str(tmp_path / "whole"), **_one_process(threads=1)))
+    # Adam moves a weight whose gradient is below its eps by lr * g / eps: float noise in
+    # a tiny gradient shows at 1e-5 there, where a wrong weighting moves weights by ~lr
+    _assert_same_run(tmp_path / "whole", tmp_path / "two", atol=1e-5, rtol=1e-4)
+    start = _state(tmp_path / "two")["policy"]
+    moved = max((start[k] - v).abs().max() for k, v in
+                torch.load(tmp_path / "two" / "checkpoints" / "step_000001.pt",
+                           weights_only=False)["policy"].items())
+    assert moved > 1e-4  # it learned: the comparison is not of two untouched models
+
+
+def test_two_processes_train_as_one_ppo_and_resume(tmp_path):
+    """PPO with a reference (KL in the reward) and two minibatches a pass, over 3 steps;
+    the same 2-process run cut after step 3's record (checkpoint at step 2) resumes to the
+    same weights and records; only the main process wrote the run directory."""
+    ppo = ["--algo", "ppo", "--beta", "0.05", "--minibatches", "2", "--steps", "3"]
+    done = _two_processes(*RUN, *ppo, "--run-dir", tmp_path / "two")
+    assert done.stdout.count('"algo": "ppo"') == 1  # one summary, the main process's
+    one = _one_process(algo="ppo", beta=0.05, minibatches=2, steps=3, grad_accum=2,
+                       threads=1)
+    train(TrainConfig(run_dir=str(tmp_path / "one"), **one))
+    _assert_same_run(tmp_path / "one", tmp_path / "two", atol=1e-6)
+    names = sorted(p.name for p in (tmp_path / "two").iterdir())
+    assert names == sorted(p.name for p in (tmp_path / "one").iterdir())
+    # a run killed after writing step 3's record, before its checkpoint
+    cut = tmp_path / "cut"
+    shutil.copytree(tmp_path / "two", cut)
+    (cut / "checkpoints" / "step_000003.pt").unlink()
+    shutil.rmtree(cut / "final")
+    assert [r["step"] for r in read_metrics(cut / "metrics.jsonl")] == [0, 1, 2, 3]
+    _two_processes("--resume", cut)
+    _assert_same_run(tmp_path / "two", cut, atol=0)
+    assert (cut / "final" / "config.json").is_file()
