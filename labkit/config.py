@@ -267,6 +267,10 @@ class TrainConfig:
     default: every projection of attention and MLP)."""
     progress: bool = True
     """Show a progress bar."""
+    report_to: str = "none"
+    """Trackers that also receive every metrics.jsonl record (labkit.trackers): any of
+    tensorboard, mlflow, trackio, wandb (offline), comma-separated; none by default. Each is
+    an optional extra (pip install 'labkit[tensorboard]')."""
 
     # --- stopping -------------------------------------------------------------------------
     stop_rules: str = ""
@@ -296,6 +300,9 @@ class TrainConfig:
             self.estimator = "gae" if self.algo == "ppo" else "grpo"
         if self.scratchpad and self.model is None:
             self.model = SCRATCHPAD_NAME
+        from labkit import trackers
+
+        self.report_to = ",".join(trackers.parse(self.report_to)) or "none"
         check(self)
         self._check_ranges()
         self._check_task()
@@ -491,6 +498,9 @@ def preflight(config: TrainConfig) -> None:
                              "is a file")
     if config.device is not None:
         _check_device(config.device)
+    from labkit import trackers
+
+    trackers.require(config.report_to)
     if config.lora_rank:
         from labkit.lora import require_peft
 

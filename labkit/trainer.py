@@ -38,6 +38,7 @@ from labkit.reproducible import set_threads
 from labkit.rewards import RewardError, overlong_penalty
 from labkit.rollout import RolloutBatch, rollout
 from labkit.tasks import Problem, ProblemSource
+from labkit.trackers import Trackers
 
 STOPPED = "stopped.json"
 """Written into the run directory when a stop rule ends the run: the rule, step and value."""
@@ -312,6 +313,8 @@ class _RunLog:
             self.judge(record)
         self.writer = rundir.MetricsWriter(path)
         self.diag = RunDiagnostics(config, path.parent)  # diag_every: diagnostics.jsonl
+        # report_to: views of the same records (a resumed run's from its checkpoint on)
+        self.trackers = Trackers(config.report_to, path.parent, config.to_dict(), self.records)
 
     def judge(self, record: dict) -> stops.Stop | stops.Dead | None:
         self.stopped = self.watch.update(record)
@@ -319,6 +322,7 @@ class _RunLog:
 
     def write(self, record: dict) -> None:
         self.writer.write(record)
+        self.trackers.log(record)
         self.records.append(record)
         if "eval/accuracy" in record:
             self.accuracy.append(record["eval/accuracy"])
@@ -338,6 +342,7 @@ def _train(trainer: Trainer, run_dir: Path, resuming: bool,
         _run_steps(trainer, log, first, run_dir, callbacks)
     finally:
         log.writer.close()
+        log.trackers.close()
     stopped, accuracy = log.stopped, log.accuracy
     last = stopped.step if stopped is not None else config.steps
     _finish(run_dir, trainer.learner, trainer.policy, trainer.tokenizer, last, stopped,
