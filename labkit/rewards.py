@@ -27,8 +27,6 @@ from decimal import Decimal, InvalidOperation
 from functools import lru_cache
 from typing import Callable, Literal, Sequence
 
-from math_verify import parse, verify
-
 from labkit.answers import extract_answer, gsm8k_ground_truth, last_box_span, last_boxed
 from labkit.registry import Registry
 
@@ -111,7 +109,10 @@ def _decimal(s: str) -> Decimal | None:
 
 def _parse(answer: str, timeout: int | None) -> list:
     """math-verify's parse of an extracted answer, read as inline LaTeX first (so
-    `\\sqrt{2}/2` parses), else as plain text."""
+    `\\sqrt{2}/2` parses), else as plain text. math-verify (and sympy under it) is imported
+    here, on the first answer that needs it: integer answers never do."""
+    from math_verify import parse
+
     return parse(f"${answer}$", parsing_timeout=timeout) or parse(answer, parsing_timeout=timeout)
 
 
@@ -152,6 +153,8 @@ def _grade(completion, gold: str, main_thread: bool, extract: Callable) -> float
         pred_parsed = _parse(pred, timeout)
         if not gold_parsed or not pred_parsed:
             return 0.0
+        from math_verify import verify
+
         ok = verify(gold_parsed, pred_parsed,
                     timeout_seconds=VERIFY_TIMEOUT if main_thread else None)
     except Exception:  # a reward must never stop a training loop

@@ -12,6 +12,7 @@ import pytest
 import torch
 from cli import in_process
 
+import labkit.bench as bench
 from labkit.bench import inputs, report, timing, workers
 from labkit.bench.floor import step_floor
 
@@ -324,7 +325,8 @@ def test_bf16_on_a_cpu_without_it_is_said_before_the_bench_starts(monkeypatch, c
         raise stop
     monkeypatch.setattr(bench, "build_small_model", refuse)
     args = argparse.Namespace(steps=1, warmup=0, rounds=1, beta=0.04, device="cpu",
-                              precision="bf16", scale="test", quiet=True, scaling=False)
+                              precision="bf16", scale="test", quiet=True, scaling=False,
+                              lora=False)
     with pytest.raises(RuntimeError, match="stopped"):
         bench.run(args)
     assert "torch emulates it, slower than fp32" in capsys.readouterr().err
@@ -500,3 +502,23 @@ def test_the_lora_row_is_left_out_without_peft_or_with_no_lora(monkeypatch):
     assert bench.lora_row(argparse.Namespace(lora=True), said.append) is False
     assert said == ["[bench] no LoRA memory row: peft is not installed "
                     "(pip install 'labkit[lora]')"]
+
+
+def test_the_bench_bar_counts_its_workers_and_names_the_stage(capsys):
+    stages = bench.Stages(total=3)
+    measure = stages.counted(lambda name, work, **options: {"name": name, **options})
+    stages.say("[bench] GRPO step, tiny: labkit (round 1 of 1)")
+    assert stages.bar.desc == "GRPO step, tiny: labkit"
+    assert measure("labkit", None, floor=True) == {"name": "labkit", "floor": True}
+    assert (stages.bar.n, stages.bar.total) == (1, 3)
+    for _ in range(3):  # a rerun round: more workers than planned
+        measure("trl", None)
+    assert (stages.bar.n, stages.bar.total) == (4, 4)
+    stages.close()
+    err = capsys.readouterr().err
+    assert "[bench] GRPO step, tiny: labkit (round 1 of 1)\n" in err and "4/4" in err
+    quiet = bench.Stages(total=2, quiet=True)
+    quiet.say("[bench] memory")
+    quiet.counted(lambda *a: None)("memory", None)
+    quiet.close()
+    assert capsys.readouterr().err == ""

@@ -135,7 +135,9 @@ def test_math_verify_errors_score_zero(monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("sympy blew up")
 
-    monkeypatch.setattr(rewards, "verify", broken)
+    import math_verify
+
+    monkeypatch.setattr(math_verify, "verify", broken)  # rewards imports it when needed
     # needs math-verify (not an exact or decimal match), so the failure is hit
     assert correctness([r"\boxed{\frac{1}{2}}", r"\boxed{2}"], answer=["0.5", "2"]) == [0.0, 1.0]
 
@@ -380,7 +382,10 @@ def test_different_integers_are_graded_without_sympy(monkeypatch):
     def no_sympy(*args, **kwargs):
         raise AssertionError("math-verify was asked about two plain integers")
 
-    monkeypatch.setattr(R, "parse", no_sympy)
+    import math_verify
+
+    monkeypatch.setattr(math_verify, "parse", no_sympy)
+    monkeypatch.setattr(math_verify, "verify", no_sympy)
     assert R.correctness(["\\boxed{121}", "\\boxed{1,000}", "\\boxed{-7}"],
                          answer=["122", "1000", "7"]) == [0.0, 1.0, 0.0]
 

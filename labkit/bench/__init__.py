@@ -34,6 +34,7 @@ in its own process), `report` (the summary and the table); this one is the comma
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import statistics
 import sys
@@ -116,7 +117,11 @@ def run(args) -> dict:
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     shape = SCALES[args.scale]
-    say = (lambda *a: None) if args.quiet else (lambda *a: print(*a, file=sys.stderr, flush=True))
+    with_lora = args.lora and importlib.util.find_spec("peft") is not None
+    # one bar over the worker processes: 2 sides x 2 sizes x rounds, rollout, memory x 2,
+    # LoRA memory x 2, scaling; its description is the stage, its lines the log
+    stages = Stages(4 * args.rounds + 3 + 2 * with_lora + bool(args.scaling), quiet=args.quiet)
+    say, measure = stages.say, stages.counted(run_worker)
     capability = torch.backends.cpu.get_cpu_capability()
     if args.precision == "bf16" and device == "cpu" and not cpu_bf16_native():
         print(f"warning: --precision bf16 on a CPU without native bf16 (capability "
@@ -142,32 +147,66 @@ def run(args) -> dict:
             f"tiny {tiny.precision}, small {small.precision}")
         for label, work in (("tiny", tiny), ("small", small)):
             # --quick measures the floor once, in the first round
-            results |= compare_rounds(label, work, args.rounds, say,
+            results |= compare_rounds(label, work, args.rounds, say, measure=measure,
                                       floor_rounds=1 if getattr(args, "quick", False) else None)
         say("[bench] rollout vs model.generate")
         rollout_work = replace(small, batch_prompts=4, max_new_tokens=64,
                                steps=max(2, args.steps // 2), warmup=1)
-        results["rollout"] = run_worker("rollout", rollout_work)
+        results["rollout"] = measure("rollout", rollout_work)
         say("[bench] memory: GRPO step, PPO step")
         memory_work = replace(small, steps=2, warmup=0)
         for algo in ("grpo", "ppo"):
-            results[f"memory_{algo}"] = run_worker("memory", memory_work, algo=algo)
+            results[f"memory_{algo}"] = measure("memory", memory_work, algo=algo)
         if lora_row(args, say):
             say(f"[bench] memory: GRPO step with LoRA (rank {LORA_RANK}), with full "
                 "fine-tuning, both on the model's own forward")
             for name, lora_rank in (("lora", LORA_RANK), ("full", 0)):
-                results[f"memory_{name}"] = run_worker("memory", memory_work, algo="grpo",
+                results[f"memory_{name}"] = measure("memory", memory_work, algo="grpo",
                                                        fast=False, lora_rank=lora_rank)
         points = scaling_points(args, small)
         if points is not None:
             say("[bench] scaling with G and completion length" if points["plain"] else
                 "[bench] the comparison's small step again, for the consistency check")
             scaling_work = replace(small, steps=max(2, args.steps // 3), warmup=1)
-            results["scaling"] = run_worker("scaling", scaling_work, prompt_width=128,
-                                             **points)["points"]
+            results["scaling"] = measure("scaling", scaling_work, prompt_width=128,
+                                          **points)["points"]
             results["scaling_shape"] = {"group_size": small.group_size,
                                         "max_new_tokens": small.max_new_tokens}
+    stages.close()
     return summarize(results, params=params, device=device, precision=precision, args=args)
+
+
+class Stages:
+    """The bench's progress: a tqdm bar over its `total` worker processes (ETA), described by
+    the stage running; each stage's line is also written above the bar. `quiet`: nothing."""
+
+    def __init__(self, total: int, quiet: bool = False):
+        from tqdm.auto import tqdm
+
+        self.quiet = quiet
+        self.bar = tqdm(total=total, unit="worker", desc="bench", disable=quiet,
+                        file=sys.stderr, dynamic_ncols=True)
+
+    def say(self, *parts) -> None:
+        if self.quiet:
+            return
+        text = " ".join(map(str, parts))
+        self.bar.write(text, file=sys.stderr)
+        if text.startswith("[bench] ") and not text.startswith("[bench] CPU"):
+            self.bar.set_description_str(text[len("[bench] "):].split(" (")[0][:60])
+
+    def counted(self, measure):
+        """`measure`, each call counted on the bar (a rerun round grows the total)."""
+        def run(*args, **kwargs):
+            out = measure(*args, **kwargs)
+            self.bar.update(1)
+            if self.bar.n > self.bar.total:
+                self.bar.total = self.bar.n
+            return out
+        return run
+
+    def close(self) -> None:
+        self.bar.close()
 
 
 def lora_row(args, say) -> bool:
@@ -175,8 +214,6 @@ def lora_row(args, say) -> bool:
     installed (the `lora` extra; without it the row is left out and that is said)."""
     if not args.lora:
         return False
-    import importlib.util
-
     if importlib.util.find_spec("peft") is None:
         say("[bench] no LoRA memory row: peft is not installed (pip install 'labkit[lora]')")
         return False

@@ -17,6 +17,7 @@ import torch
 
 from labkit import rundir
 from labkit.config import TrainConfig
+from labkit.lab.progress import write_plan
 from labkit.trainer import RunResult, StepReport, train
 
 BUDGETS = ("samples", "prompts", "both")  # B*G fixed / B fixed / the two sweeps
@@ -124,6 +125,8 @@ def run_all(configs: Mapping[str, TrainConfig], *, workers: int = 0,
     this process: with callbacks, or a single config, the runs go one after the other here."""
     if workers < 0:
         raise ValueError(f"workers must be >= 0 (0: one per CPU core), got {workers}")
+    # what the notebook runner's progress bar counts down (labkit.lab.progress)
+    write_plan({c.run_dir: c.steps for c in configs.values() if c.run_dir})
     if callbacks or len(configs) <= 1:
         return {name: train(config, callbacks=callbacks) for name, config in configs.items()}
     import multiprocessing as mp

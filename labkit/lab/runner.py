@@ -26,6 +26,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from labkit.lab.progress import NotebookProgress
+
 PARAM_TYPES = {"int": int, "float": float, "str": str, "bool": bool}
 RUNNER_OWNED = "run_dir"
 KERNEL = "python3"
@@ -266,10 +268,12 @@ def execute(notebook: str | Path, run_dir: str | Path, parameters: dict,
     values = {**parameters, RUNNER_OWNED: str(run_dir)}
     (run_dir / PARAMETERS_FILE).write_text(json.dumps(values, indent=2) + "\n")
     out = run_dir / OUTPUT_NOTEBOOK
+    # the bar: the training steps the notebook's runs have logged, the cell, an ETA
+    watch = NotebookProgress(run_dir, out, notebook.stem) if progress else None
     try:
         with open(run_dir / KERNEL_LOG, "ab") as log:
             pm.execute_notebook(str(notebook), str(out), parameters=values, kernel_name=KERNEL,
-                                language="python", progress_bar=progress,
+                                language="python", progress_bar=False,
                                 cwd=str(notebook.parent),
                                 kernel_manager_class=_kernel_manager_class(log))
     except (PapermillExecutionError, DeadKernelError, CellTimeoutError, NoSuchKernel,
@@ -280,6 +284,9 @@ def execute(notebook: str | Path, run_dir: str | Path, parameters: dict,
             except Exception:  # the failure is the message; a report of it is a bonus
                 pass
         raise RunFailed(_failure(notebook, e, out), run_dir) from e
+    finally:
+        if watch is not None:
+            watch.close()
     write_report(out, run_dir / REPORT)
     return run_dir
 
