@@ -265,7 +265,8 @@ def run_findings_command(args) -> int:
 
 
 def run_notebook_command(args) -> int:
-    from labkit.lab.runner import REPORT, RunFailed, read_summary, run_notebook
+    from labkit.lab.report import REPORT
+    from labkit.lab.runner import RunFailed, read_summary, run_notebook
 
     given = {}
     for name, value in args.parameters:

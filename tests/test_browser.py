@@ -293,9 +293,10 @@ def browser(tmp_path, sync_playwright_api):
         pg = context.pages[0] if context.pages else context.new_page()
         b = SimpleNamespace(page=pg, console=[], blocked=[])
 
-        def _route(route):  # loopback only
+        def _route(route):  # loopback and local files only
             url = route.request.url
-            if url.startswith(("http://127.0.0.1", "ws://127.0.0.1", "data:", "blob:")):
+            if url.startswith(("http://127.0.0.1", "ws://127.0.0.1", "data:", "blob:",
+                               "file:")):
                 route.continue_()
             else:
                 b.blocked.append(url)
@@ -497,3 +498,35 @@ def test_live_notebook_plot_grows_in_jupyterlab(deadline, lab, browser, tmp_path
             pass
         what = str(e) if isinstance(e, AssertionError) else f"{type(e).__name__}: {e}"
         raise AssertionError(what + context()) from e
+
+
+def test_a_report_opens_offline_with_its_equations_and_figures(browser, tmp_path):
+    """report.html (for readers: no code) and notebook.html (with code) of a run, opened
+    from disk with every request off the machine blocked: the equations render as MathML,
+    the plotly figure draws, and no request was even attempted."""
+    from labkit.lab.runner import run_notebook
+
+    run_dir = run_notebook(REPO / "tests" / "fixtures" / "tiny.ipynb", {"steps": "3"},
+                           root=tmp_path / "runs", progress=False)
+    requests = []
+    browser.page.on("request", lambda r: requests.append(r.url))
+    for name, code in (("report.html", False), ("notebook.html", True)):
+        page = browser.page
+        page.goto((run_dir / name).as_uri(), wait_until="load", timeout=60_000)
+        page.wait_for_selector(".js-plotly-plot .main-svg", timeout=30_000)
+        boxes = page.eval_on_selector_all(
+            "math", "els => els.map(e => [e.getAttribute('display'), "
+                    "e.getBoundingClientRect().width, e.getBoundingClientRect().height])")
+        assert len(boxes) == 3, boxes  # $t$, $s_t = ...$, and the displayed sum
+        assert all(w > 0 and h > 0 for _, w, h in boxes), boxes
+        assert [d for d, _, _ in boxes].count("block") == 1
+        fraction = page.eval_on_selector("mfrac", "e => e.getBoundingClientRect().height")
+        inline = page.eval_on_selector("math[display=inline]",
+                                       "e => e.getBoundingClientRect().height")
+        assert fraction > inline  # laid out as a fraction, not a line of text
+        text = page.inner_text("body")
+        assert "$" not in text and "\\frac" not in text and "\\text" not in text
+        assert ("import json" in text) is code  # the code cells only in notebook.html
+        page.screenshot(path=str(tmp_path / f"{name}.png"), full_page=True)
+    left = [url for url in requests if not url.startswith(("file:", "data:", "blob:"))]
+    assert not left and not browser.blocked, (left, browser.blocked, browser.console[-5:])

@@ -14,7 +14,7 @@ import pytest
 from cli import in_process
 import yaml
 
-from labkit.lab import runner, sweeps
+from labkit.lab import report, runner, sweeps
 from labkit.lab.runner import Param, RunFailed, check_parameters, notebook_parameters
 
 HERE = Path(__file__).resolve().parent
@@ -248,7 +248,7 @@ def test_a_failed_run_is_reported_and_the_sweep_goes_on(tmp_path, monkeypatch, c
     html = (tmp_path / "runs" / "tiny_sweep" / "comparison.html").read_text()
     # a figure per numeric field: score, and acc with a line each for grpo and ppo; the
     # echoed parameter `steps` and the text `note` have none
-    assert html.count("Plotly.newPlot") == 2 and runner.PLOTLY_MARKER in html
+    assert html.count("Plotly.newPlot") == 2 and report.PLOTLY_MARKER in html
     assert '"name":"grpo"' in html and '"name":"ppo"' in html
 
 
@@ -276,7 +276,7 @@ def test_labkit_run_end_to_end(tmp_path):
     run_dir = run_dir_of(done.stdout)
     assert run_dir.parent == tmp_path / "runs" / "tiny"
     for name in ("notebook.ipynb", "summary.json", "metrics.jsonl", "report.html",
-                 "parameters.json"):
+                 "notebook.html", "parameters.json"):
         assert (run_dir / name).is_file(), name
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary == json.loads(done.stdout.strip().splitlines()[-1])
@@ -290,7 +290,7 @@ def test_labkit_run_end_to_end(tmp_path):
     for text in ("steps = 2", 'label = "hello"', "noisy = True", f'run_dir = "{run_dir}"'):
         assert text in injected.source
     html = (run_dir / "report.html").read_text()
-    assert runner.PLOTLY_MARKER in html and "Plotly.newPlot" in html
+    assert report.PLOTLY_MARKER in html and "Plotly.newPlot" in html
     assert not PLOTLY_CDN.search(html)
 
 
@@ -356,7 +356,7 @@ def test_sweep_runs_the_grid_then_skips_what_is_done(tmp_path):
     assert {"score", "label", "python", "cwd"} <= set(rows[0])
     assert [float(r["score"]) for r in rows] == [2.0, 3.0, 4.0, 5.0]  # 2 * steps + seed
     html = (folder / "comparison.html").read_text()
-    assert runner.PLOTLY_MARKER in html and not PLOTLY_CDN.search(html)
+    assert report.PLOTLY_MARKER in html and not PLOTLY_CDN.search(html)
 
     again = labkit("sweep", SWEEP, "--root", root, cwd=tmp_path)
     assert again.returncode == 0, again.stderr

@@ -27,16 +27,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from labkit.lab.progress import NotebookProgress
+from labkit.lab.report import write_reports
 
 PARAM_TYPES = {"int": int, "float": float, "str": str, "bool": bool}
 RUNNER_OWNED = "run_dir"
 KERNEL = "python3"
 OUTPUT_NOTEBOOK = "notebook.ipynb"
-REPORT = "report.html"
 PARAMETERS_FILE = "parameters.json"
 SUMMARY = "summary.json"
 KERNEL_LOG = "kernel.log"
-PLOTLY_MARKER = "plotly.js v"  # the banner at the top of the embedded plotly.js bundle
 
 
 @dataclass(frozen=True)
@@ -280,32 +279,15 @@ def execute(notebook: str | Path, run_dir: str | Path, parameters: dict,
             RuntimeError) as e:
         if out.is_file():
             try:
-                write_report(out, run_dir / REPORT)
+                write_reports(out, run_dir)
             except Exception:  # the failure is the message; a report of it is a bonus
                 pass
         raise RunFailed(_failure(notebook, e, out), run_dir) from e
     finally:
         if watch is not None:
             watch.close()
-    write_report(out, run_dir / REPORT)
+    write_reports(out, run_dir)
     return run_dir
-
-
-def write_report(executed: str | Path, path: str | Path) -> Path:
-    """report.html of an executed notebook, readable offline: when the notebook's plotly
-    figures do not carry plotly.js themselves (a CDN renderer), the bundle is embedded."""
-    import nbformat
-    from nbconvert import HTMLExporter
-
-    nb = nbformat.read(executed, as_version=4)
-    html, _ = HTMLExporter(embed_images=True).from_notebook_node(nb)
-    if "Plotly.newPlot" in html and PLOTLY_MARKER not in html:
-        from plotly.offline import get_plotlyjs
-
-        html = html.replace("</head>", f"<script>{get_plotlyjs()}</script>\n</head>", 1)
-    path = Path(path)
-    path.write_text(html, encoding="utf-8")
-    return path
 
 
 def run_notebook(notebook: str | Path, given: dict[str, str], name: str | None = None,
