@@ -267,6 +267,13 @@ class TrainConfig:
     default: every projection of attention and MLP)."""
     progress: bool = True
     """Show a progress bar."""
+    rollouts_every: int = bounded(0, ge=0)
+    """Keep a sample of rollouts in rollouts.jsonl (labkit.samples) at the first step, every
+    rollouts_every-th step and the last: rollouts_groups groups, each completion's tokens
+    with its reward and advantage, and per token the advantage, entropy and ratio. 0: none."""
+    rollouts_groups: int = bounded(2, ge=1)
+    """Groups kept per sampled step: the step's first ones (all of them when the step has
+    fewer)."""
     report_to: str = "none"
     """Trackers that also receive every metrics.jsonl record (labkit.trackers): any of
     tensorboard, mlflow, trackio, wandb (offline), comma-separated; none by default. Each is

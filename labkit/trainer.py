@@ -25,7 +25,7 @@ import torch
 from tqdm.auto import tqdm
 
 from labkit import metrics as M
-from labkit import parallel, reward_specs, rundir, stops
+from labkit import parallel, reward_specs, rundir, samples, stops
 from labkit.advantages import ESTIMATORS, NonFiniteError
 from labkit.algos import Learner, StepOutput, grpo_step, ppo_step
 from labkit.config import TrainConfig, preflight
@@ -64,6 +64,9 @@ class StepResult:
     metrics: dict
     """The flat metrics of the step (`labkit.metrics`): its metrics.jsonl record, less `step`
     and the evaluation figures."""
+    view: dict | None = None
+    """With `inspect`: the kept groups' rows and, per token, the entropy before the update
+    and the ratio pi_new / pi_old after it (`labkit.samples`)."""
 
 
 class Trainer:
@@ -98,13 +101,16 @@ class Trainer:
         other.config = config
         return other
 
-    def step(self, step: int, problems: Sequence[Problem] | None = None) -> StepResult:
+    def step(self, step: int, problems: Sequence[Problem] | None = None,
+             inspect: bool = False) -> StepResult:
         """Rollout, reward, update and metrics of step `step`, on `problems` (default: B
-        drawn from the problem source with the step's seed)."""
+        drawn from the problem source with the step's seed); `inspect` adds the per-token
+        view of the first rollouts_groups groups (`StepResult.view`)."""
         seed = step_seed(self.config, step)
         if problems is None:
             problems = self.problems.draw(seed)
-        return _one_step(self.config, self.learner, self.tokenizer, list(problems), step, seed)
+        return _one_step(self.config, self.learner, self.tokenizer, list(problems), step, seed,
+                         inspect)
 
     def evaluate(self) -> dict:
         """`run_eval` of the current policy: the held-out figures (`eval/...`) and the
@@ -148,7 +154,8 @@ def estimator_extras(config, learner, tokenizer, problems, batch, step_seed: int
     return out
 
 
-def _one_step(config, learner, tokenizer, problems, step: int, step_seed: int) -> StepResult:
+def _one_step(config, learner, tokenizer, problems, step: int, step_seed: int,
+              inspect: bool = False) -> StepResult:
     """Rollout, reward, update and metrics of step `step` on `problems`."""
     device = learner.accelerator.device
     step_fn = grpo_step if config.algo == "grpo" else ppo_step
@@ -186,9 +193,13 @@ def _one_step(config, learner, tokenizer, problems, step: int, step_seed: int) -
         rewards = rewards + overlong
         penalty = {"rollout/overlong_penalty": overlong.mean().item()}
     extras = estimator_extras(config, learner, tokenizer, problems, batch, step_seed)
+    view = samples.token_view(config, learner, batch, samples.kept_rows(config)) \
+        if inspect else None
     t1 = time.perf_counter()
     out: StepOutput = step_fn(config, learner, batch, rewards, step_seed, extras)
     t2 = time.perf_counter()
+    if view is not None:
+        view = samples.add_ratio(config, learner, batch, view)
     tokens = int(batch.completion_mask.sum())
     extra = {**out.stats, **penalty, "perf/rollout_s": t1 - t0, "perf/update_s": t2 - t1,
              "perf/step_s": t2 - t0, "perf/tokens_per_s": tokens / max(t2 - t0, 1e-9),
@@ -197,7 +208,7 @@ def _one_step(config, learner, tokenizer, problems, step: int, step_seed: int) -
                             advantages=out.advantages, mask=batch.completion_mask,
                             truncated=batch.truncated, values=out.values, returns=out.returns,
                             extra=extra)
-    return StepResult(step, step_seed, rewards, out.advantages, batch, record)
+    return StepResult(step, step_seed, rewards, out.advantages, batch, record, view)
 
 
 # --- a run: the steps, written into a run directory ------------------------------------------
@@ -219,6 +230,8 @@ class StepReport:
     """(N,) for GRPO, (N, T) for PPO."""
     batch: RolloutBatch
     config: TrainConfig
+    view: dict | None = None
+    """On the steps that keep a sample of rollouts: `StepResult.view`."""
 
 
 @dataclass
@@ -386,7 +399,7 @@ def _run_steps(trainer: Trainer, log: _RunLog, first: int, run_dir: Path,
     try:
         for step in bar:
             updates_before = update_count(learner)
-            result = trainer.step(step)
+            result = trainer.step(step, inspect=samples.keeps(config, step))
             record = {"step": step, **result.metrics, **log.diag.measure(trainer, step)}
             evaluated = step % config.eval_every == 0 or step == config.steps
             if evaluated:
@@ -394,11 +407,15 @@ def _run_steps(trainer: Trainer, log: _RunLog, first: int, run_dir: Path,
             if log.judge(record) is not None and not evaluated:  # a stopped run ends evaluated too
                 record |= trainer.evaluate()
             log.write(record)
+            if result.view is not None:  # rollouts_every: the kept groups, token by token
+                samples.append(run_dir, samples.records(
+                    step, trainer.problems.draw(result.seed), result.batch, result.rewards,
+                    result.advantages, result.view, trainer.tokenizer))
             if log.watch.found is not None:
                 _say_dead(run_dir, bar, log.watch.found, stopping=log.stopped is log.watch.found)
             for callback in callbacks:
                 callback(StepReport(step, record, result.rewards, result.advantages,
-                                    result.batch, config))
+                                    result.batch, config, result.view))
             bar.set_postfix(reward=f"{record['rollout/reward_mean']:.2f}",
                             acc=f"{log.accuracy[-1]:.2f}" if log.accuracy else "-")
             if parallel.broadcast(log.stopped is not None, learner.accelerator):
@@ -433,11 +450,13 @@ def _resume_point(learner: Learner, run_dir: Path, metrics_path: Path | None,
     if checkpoint is None:  # killed before its first checkpoint: start over
         if main:
             rundir.truncate_metrics(metrics_path, -1)
+            samples.truncate(run_dir, 0)
         return 1
     state = rundir.load_checkpoint(checkpoint)
     restore_learner(learner, state)
     if main:
         rundir.truncate_metrics(metrics_path, state["step"])
+        samples.truncate(run_dir, state["step"])
     return state["step"] + 1
 
 

@@ -17,7 +17,8 @@ controls), `plots` (figures), `live` (notebook 03's live figure), `runner` and `
 from labkit.lab.blocks import (figure_records, group_summary, ppo_row_advantages, problem,
                                registered_advantages)
 from labkit.lab.experiments import (BUDGETS, DEFAULT_ARMS, NOTEBOOK_DEFAULTS,
-                                    batch_prompts_for, compare, compare_arms, fresh_dir,
+                                    batch_prompts_for, compare, compare_arms,
+                                    first_and_last_rollouts, fresh_dir,
                                     group_size_runs, histories, informative_prediction,
                                     live_training, parse_arms, parse_fields, parse_list, project_root,
                                     resolve_run_dir, run_all, run_config, seed_list, setup)
@@ -33,7 +34,7 @@ from labkit.lab.widgets import live_controls
 __all__ = ["BUDGETS", "DEFAULT_ARMS", "MONITORS", "NOTEBOOK_DEFAULTS", "QUESTIONS", "Finding",
            "answer", "arms_table", "arm_findings", "arm_rows", "diagnostic_findings", "factor_findings",
            "monitor_findings", "parse_fields", "informative_findings", "informative_prediction",
-           "batch_prompts_for", "compare", "compare_arms", "describe", "describe_diagnostics", "describe_findings",
+           "batch_prompts_for", "compare", "first_and_last_rollouts", "compare_arms", "describe", "describe_diagnostics", "describe_findings",
            "describe_sweep", "figure_records", "final_diagnostics", "findings_summary",
            "flat_summary", "fresh_dir", "group_size_findings", "group_size_runs",
            "group_summary", "grpo_vs_ppo", "histories", "live_controls", "live_outputs",

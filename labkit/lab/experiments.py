@@ -23,7 +23,9 @@ from labkit.trainer import RunResult, StepReport, train
 BUDGETS = ("samples", "prompts", "both")  # B*G fixed / B fixed / the two sweeps
 # no progress bars in notebook outputs; one torch thread a run, so runs in parallel worker
 # processes give the same numbers as runs one after the other
-NOTEBOOK_DEFAULTS = dict(progress=False, threads=1)
+NOTEBOOK_DEFAULTS = dict(progress=False, threads=1, rollouts_every=10)
+"""Every notebook run: one torch thread, no bar, and a sample of its rollouts (two groups
+at the first step, every tenth and the last: rollouts.jsonl, the inspector's)."""
 # where notebooks run without a run_dir write, instead of the project's experiments/runs/
 RUNS_ENV = "LABKIT_NOTEBOOK_RUNS"
 
@@ -349,3 +351,20 @@ def histories(results: Mapping[str, RunResult]) -> dict[str, list[dict]]:
                 "batch_prompts": c.batch_prompts}
         out[name] = [{**tags, "samples": r["step"] * c.rows, **r} for r in result.history]
     return out
+
+
+def first_and_last_rollouts(results: Mapping[str, RunResult]) -> dict[str, list[dict]]:
+    """The groups kept in rollouts.jsonl (`TrainConfig.rollouts_every`) at the first and the
+    last sampled step of the first run of each arm ("grpo-seed1" is arm grpo's second),
+    keyed "<run>, step <s>": the columns of `labkit.lab.plots.rollouts`."""
+    from labkit import samples
+
+    columns, arms = {}, set()
+    for name, result in results.items():
+        arm = name.split("-seed")[0]
+        if arm in arms:
+            continue
+        arms.add(arm)
+        for line in samples.first_and_last(result.run_dir):
+            columns.setdefault(f"{name}, step {line['step']}", []).append(line)
+    return columns
