@@ -1,6 +1,7 @@
 """Sweeps on Ray (`--backend ray`): the same run folders and sweep.csv as the local backend, a
-run whose worker dies retried and then reported, an interrupted sweep resumed. One local Ray
-cluster of 2 CPUs serves the module."""
+run whose worker dies retried and then reported, an interrupted sweep resumed. One Ray
+cluster of 2 CPUs, started apart (`ray start --head`), serves the module: every sweep joins
+it at its address (`--address`), as on a cluster someone else runs."""
 
 from __future__ import annotations
 
@@ -19,11 +20,36 @@ FIXTURES = Path(__file__).parent / "fixtures"
 
 
 @pytest.fixture(scope="module")
-def ray_cluster():
+def ray_cluster(tmp_path_factory):
+    """The address of a head node of 2 CPUs in its own processes, stopped at the end. Token
+    authentication is off for this throwaway cluster on loopback (Ray 2.60 turns it on by
+    default; a driver then needs the cluster's token)."""
+    import os
+    import socket
+    import subprocess
+
     ray = peer("ray")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield ray
-    ray.shutdown()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = Path(sys.executable).with_name("ray")
+    saved = {k: os.environ.get(k) for k in ("RAY_AUTH_MODE", "RAY_USAGE_STATS_ENABLED")}
+    os.environ.update(RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0")
+    started = subprocess.run([str(command), "start", "--head", "--port", str(port),
+                              "--num-cpus", "2", "--include-dashboard=false",
+                              "--node-ip-address", "127.0.0.1"],
+                             capture_output=True, text=True, timeout=120)
+    try:
+        assert started.returncode == 0, started.stderr[-2000:]
+        yield f"127.0.0.1:{port}"
+        assert not ray.is_initialized()  # each sweep left the cluster it joined
+    finally:
+        subprocess.run([str(command), "stop", "--force"], capture_output=True, timeout=120)
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def _sweep_file(tmp_path: Path, grid: dict, parameters: dict | None = None,
@@ -39,14 +65,19 @@ def _sweep_file(tmp_path: Path, grid: dict, parameters: dict | None = None,
 
 
 def _rows(root: Path, name: str) -> list[dict]:
+    """sweep.csv's rows, the kernel's interpreter resolved (a cluster started by `ray start`
+    runs it as python3, the same file as python)."""
     with open(root / name / sweeps.CSV_NAME) as f:
-        return list(csv.DictReader(f))
+        return [{**r, "python": str(Path(r["python"]).resolve())} if r.get("python") else r
+                for r in csv.DictReader(f)]
 
 
 def test_a_ray_sweep_writes_what_the_local_backend_writes_and_resumes(ray_cluster, tmp_path):
-    sweep = sweeps.load_sweep(_sweep_file(tmp_path, {"steps": [1, 2]}))
+    path = _sweep_file(tmp_path, {"steps": [1, 2]})
+    sweep = sweeps.load_sweep(path)
     local = sweeps.run_sweep(sweep, tmp_path / "local", progress=False)
-    on_ray_runs = sweeps.run_sweep(sweep, tmp_path / "ray", progress=False, backend="ray")
+    on_ray_runs = sweeps.run_sweep(sweep, tmp_path / "ray", progress=False, backend="ray",
+                                   address=ray_cluster)
     assert [r.status for r in local] == [r.status for r in on_ray_runs] == ["ok", "ok"]
     assert _rows(tmp_path / "ray", "tiny_ray") == _rows(tmp_path / "local", "tiny_ray")
     assert [float(r["score"]) for r in _rows(tmp_path / "ray", "tiny_ray")] == [2.0, 4.0]
@@ -58,8 +89,12 @@ def test_a_ray_sweep_writes_what_the_local_backend_writes_and_resumes(ray_cluste
     first, second = on_ray_runs
     stamp = (second.path / "notebook.ipynb").stat().st_mtime_ns
     (first.path / "summary.json").unlink()
-    again = sweeps.run_sweep(sweep, tmp_path / "ray", progress=False, backend="ray")
-    assert [r.status for r in again] == ["ok", "done"]
+    done = in_process("sweep", path, "--root", tmp_path / "ray", "--backend", "ray",
+                      "--address", ray_cluster)  # the command line's way in
+    assert done.returncode == 0, done.stderr[-2000:]
+    again = sweeps.run_sweep(sweep, tmp_path / "ray", progress=False, backend="ray",
+                             address=ray_cluster)
+    assert [r.status for r in again] == ["done", "done"]
     assert (second.path / "notebook.ipynb").stat().st_mtime_ns == stamp
     assert json.loads((first.path / "summary.json").read_text())["score"] == 2.0
     aside = list((first.path.parent / sweeps.INCOMPLETE).iterdir())
@@ -75,7 +110,7 @@ def test_a_run_whose_worker_dies_is_retried_then_reported_while_the_others_finis
     path = _sweep_file(tmp_path, {"kill_worker": ["always", str(marker), ""]},
                        {"steps": 1}, name="dies")
     runs = sweeps.run_sweep(sweeps.load_sweep(path), tmp_path / "runs", progress=False,
-                            backend="ray")
+                            backend="ray", address=ray_cluster)
     assert [r.status for r in runs] == ["failed", "ok", "ok"]
     assert marker.exists()
     assert f"died {on_ray.MAX_RETRIES + 1} times" in runs[0].message
