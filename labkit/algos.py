@@ -274,8 +274,7 @@ def _no_grad_scores(config: TrainConfig, model, learner: Learner, batch: Rollout
     # inference mode: no autograd bookkeeping on a pass nothing differentiates; on several
     # processes each scores its own rows and the parts are gathered
     acc = learner.accelerator
-    rows = None if parallel.size(acc) == 1 else \
-        parallel.own_rows(batch.completion_ids.shape[0], acc, batch.completion_ids.device)
+    rows = parallel.pass_rows(batch, acc)
     with torch.inference_mode(), acc.autocast():
         scores = token_scores(model, batch, rows, temperature=config.temperature,
                               distribution=distribution, share_prompt=config.share_prompt,
@@ -289,8 +288,7 @@ def old_values(config: TrainConfig, learner: Learner, batch: RolloutBatch) -> Te
     """The critic's values (N, T) before the update, fp32 (on several processes, each
     process's rows, gathered)."""
     acc = learner.accelerator
-    rows = None if parallel.size(acc) == 1 else \
-        parallel.own_rows(batch.completion_ids.shape[0], acc, batch.completion_ids.device)
+    rows = parallel.pass_rows(batch, acc)
     with torch.inference_mode(), acc.autocast():
         values = token_values(learner.critic, batch, rows, share_prompt=config.share_prompt)
     return parallel.gather_rows(values.float().clone(), acc)  # an ordinary tensor

@@ -91,6 +91,14 @@ def own_rows(rows: int, accelerator, device=None) -> Tensor:
     return torch.arange(first, first + per, device=device)
 
 
+def pass_rows(batch: RolloutBatch, accelerator) -> Tensor | None:
+    """The rows a no-grad pass over `batch` scores on this process: its own share on
+    several processes (the parts are then gathered, `gather_rows`), None (all) on one."""
+    if size(accelerator) == 1:
+        return None
+    return own_rows(batch.completion_ids.shape[0], accelerator, batch.completion_ids.device)
+
+
 def _all_gather(obj) -> list:
     out = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(out, obj)

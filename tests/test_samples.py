@@ -11,7 +11,7 @@ import torch
 from labkit import samples
 from labkit.config import TrainConfig
 from labkit.lab import plots
-from labkit.trainer import Trainer, train
+from labkit.trainer import Trainer, step_seed, train
 
 SMOKE = dict(batch_prompts=4, group_size=4, max_new_tokens=12, eval_every=100, eval_n=8,
              eval_samples=0, cgc_prompts=0, progress=False, lr=5e-3, seed=2)
@@ -43,7 +43,7 @@ def test_a_run_keeps_its_groups_token_by_token(tmp_path, algo):
     assert len(lines) <= (5 // 2 + 2) * 2
     trainer = Trainer(config)
     for line in lines:
-        problem = trainer.problems.draw(trainer_seed(config, line["step"]))[line["group"]]
+        problem = trainer.problems.draw(step_seed(config, line["step"]))[line["group"]]
         assert (line["prompt"], line["answer"]) == (problem.prompt, problem.answer)
         assert len(line["completions"]) == 4
         record = next(r for r in result.history if r["step"] == line["step"])
@@ -59,12 +59,6 @@ def test_a_run_keeps_its_groups_token_by_token(tmp_path, algo):
         assert all(r in (0.0, 1.0) for r in rewards)
         assert record["rollout/reward_mean"] >= 0
     assert size < 64 * 1024
-
-
-def trainer_seed(config, step):
-    from labkit.trainer import step_seed
-
-    return step_seed(config, step)
 
 
 def test_the_view_is_what_the_models_compute(tmp_path):
