@@ -54,7 +54,10 @@ def resolve_precision(precision: str, device: torch.device) -> str:
 def cpu_bf16_native() -> bool:
     """Whether this CPU computes bf16 products in hardware (x86 AVX512_BF16 or AMX-BF16, Arm
     BF16), read from /proc/cpuinfo on Linux and sysctl on macOS; elsewhere False. Without
-    it torch emulates bf16 on the CPU, slower than fp32."""
+    it torch emulates bf16 on the CPU, slower than fp32. On x86 the kernels torch runs must
+    also reach it: False when they are held below AVX-512
+    (`torch.backends.cpu.get_cpu_capability()`, set by `ATEN_CPU_CAPABILITY`) or oneDNN's
+    below its bf16 level (`ONEDNN_MAX_CPU_ISA`)."""
     import platform
     import subprocess
     from pathlib import Path
@@ -65,7 +68,9 @@ def cpu_bf16_native() -> bool:
         for line in cpuinfo.read_text(errors="replace").splitlines():
             if line.lower().startswith(("flags", "features")):
                 flags |= set(line.partition(":")[2].split())
-        return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+        if flags & {"avx512_bf16", "amx_bf16"}:
+            return _x86_kernels_reach_bf16()
+        return "bf16" in flags
     if platform.system() == "Darwin":
         try:
             found = subprocess.run(["sysctl", "-n", "hw.optional.arm.FEAT_BF16"],
@@ -74,6 +79,20 @@ def cpu_bf16_native() -> bool:
             return False
         return found == "1"
     return False
+
+
+ONEDNN_ISAS_WITHOUT_BF16 = {"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE",
+                            "AVX512_CORE_VNNI"}
+"""`ONEDNN_MAX_CPU_ISA` values that hold oneDNN below AVX512_CORE_BF16, its first level with
+bf16 products."""
+
+
+def _x86_kernels_reach_bf16() -> bool:
+    import os
+
+    if not torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
+        return False
+    return os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL").upper() not in ONEDNN_ISAS_WITHOUT_BF16
 
 
 def machine(config: TrainConfig) -> dict:

@@ -302,14 +302,30 @@ def test_cpu_bf16_native_reads_the_cpu_flags(monkeypatch, tmp_path):
     from labkit import learner
 
     real = Path.is_file
-    for flags, expected in (("fpu avx512f avx512bw", False),
-                            ("fpu avx512f avx512_bf16", True), ("fpu amx_tile amx_bf16", True)):
+    # (flags, torch's kernel level, ONEDNN_MAX_CPU_ISA): native bf16 needs the flag and
+    # kernels allowed to use it
+    for flags, capability, isa, expected in (
+            ("fpu avx512f avx512bw", "AVX512", None, False),
+            ("fpu avx512f avx512_bf16", "AVX512", None, True),
+            ("fpu amx_tile amx_bf16", "AVX512", None, True),
+            ("fpu amx_tile amx_bf16", "AVX512", "avx512_core_amx", True),
+            ("fpu avx512f avx512_bf16", "AVX2", None, False),
+            ("fpu avx512f avx512_bf16", "AVX512", "AVX2", False),
+            ("fpu avx512f avx512_bf16", "AVX512", "avx512_core_vnni", False),
+            ("fp asimd bf16", "DEFAULT", None, True), ("fp asimd", "DEFAULT", None, False)):
         fake = tmp_path / "cpuinfo"
-        fake.write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
+        key = "Features" if "asimd" in flags else "flags"
+        fake.write_text(f"processor\t: 0\n{key}\t\t: {flags}\n")
         monkeypatch.setattr(Path, "is_file",
                             lambda self, f=fake: True if str(self) == "/proc/cpuinfo" else real(self))
         monkeypatch.setattr(Path, "read_text", lambda self, *a, f=fake, **k: f.open().read())
-        assert learner.cpu_bf16_native() is expected
+        monkeypatch.setattr(learner.torch.backends.cpu, "get_cpu_capability",
+                            lambda c=capability: c)
+        if isa is None:
+            monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+        else:
+            monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", isa)
+        assert learner.cpu_bf16_native() is expected, (flags, capability, isa)
         monkeypatch.undo()
 
 
