@@ -60,11 +60,12 @@ def decoder_or(plain: Callable, shared_prefix: bool | None = None,
 
 
 def _pack(linears, dtype, norm_weight: Tensor | None = None, q_scale: float | None = None):
-    """(W^T, bias) of linears stacked along their outputs, cast to `dtype`, for
-    `mm(x, W^T)`. `norm_weight` (in,) scales W's columns (the RMSNorm before it);
-    `q_scale` scales the first linear's outputs (attention's 1/sqrt(D) on q). Each matrix is
-    scaled in its own dtype and cast before the stacking, so the one full-size copy made
-    is already in `dtype`. W^T is laid out by `in_out_layout`."""
+    """(W, bias, weight_first) of linears stacked along their outputs, W (out, in)
+    contiguous and cast to `dtype`. `norm_weight` (in,) scales W's columns (the RMSNorm
+    before it); `q_scale` scales the first linear's outputs (attention's 1/sqrt(D) on q).
+    Each matrix is scaled in its own dtype and cast before the stacking, so the one
+    full-size copy made is already in `dtype`. `weight_first`: how a decode step multiplies
+    it (`weight_first`)."""
     weights, biases = [], []
     for i, m in enumerate(linears):
         w, b = m.weight, m.bias
@@ -76,32 +77,39 @@ def _pack(linears, dtype, norm_weight: Tensor | None = None, q_scale: float | No
         biases.append(b)
     bias = None if biases[0] is None else torch.cat(biases).to(dtype)
     weight = weights[0] if len(weights) == 1 else torch.cat(weights)
-    return (weight.t().contiguous() if in_out_layout(dtype) else weight.contiguous().t()), bias
+    return weight.contiguous(), bias, weight_first(dtype)
 
 
-def in_out_layout(dtype) -> bool:
-    """Whether the packed W^T is stored (in, out) in memory, so a product reads it row by
-    row, rather than as a transposed view of the (out, in) matrix. fp32: (in, out). At a
-    decode step's few rows (B*G = 16) MKL's sgemm runs the transposed view 1.4x (AVX2) to
-    5x (AVX-512) slower than the same product on (in, out), and from a few hundred rows both
-    run alike (docs/performance.md). Low precision keeps the transposed view, the layout
-    its figures were measured with."""
+def weight_first(dtype) -> bool:
+    """Whether a decode step computes its product as (W @ x^T)^T, the weight as the left
+    operand and the step's few rows (B*G = 16) as a 16-column right one, rather than as
+    x @ W^T. fp32: yes; in A/B runs of the small model's rollout MKL's sgemm ran the
+    decode steps 0.92-0.93x as long that way under AVX2 and 0.96-0.97x on AVX-512, at one
+    thread and two, with the same tokens (docs/performance.md). The prompt's hundreds of
+    rows run x @ W^T either way. Low precision keeps x @ W^T, the form its figures were
+    measured with."""
     return dtype == torch.float32
 
 
 def _matmul(x: Tensor, packed, dtype) -> Tensor:
-    weight_t, bias = packed
+    weight, bias, first = packed
     x = x.to(dtype)
-    rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # a decode step's are 2-D
-    out = torch.mm(rows, weight_t) if bias is None else torch.addmm(bias, rows, weight_t)
+    if first and x.dim() == 2:  # a decode step's rows
+        out = torch.mm(weight, x.t()) if bias is None else \
+            torch.addmm(bias[:, None], weight, x.t())
+        return out.t()
+    rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    out = torch.mm(rows, weight.t()) if bias is None else torch.addmm(bias, rows, weight.t())
     return out if x.dim() == 2 else out.view(*x.shape[:-1], out.shape[-1])
 
 
 def _residual(x: Tensor, inp: Tensor, packed, dtype) -> Tensor:
     """x + inp @ W^T (+ bias): one fused product on a decode step's fp32 rows."""
-    weight_t, bias = packed
-    if x.dim() == 2 and bias is None and weight_t.dtype == x.dtype == inp.dtype:
-        return torch.addmm(x, inp, weight_t)
+    weight, bias, first = packed
+    if x.dim() == 2 and bias is None and weight.dtype == x.dtype == inp.dtype:
+        if first:
+            return torch.addmm(x.t(), weight, inp.t()).t()
+        return torch.addmm(x, inp, weight.t())
     return x + _matmul(inp, packed, dtype)
 
 
