@@ -35,6 +35,26 @@ def test_select_rows_matches_indexing_and_repeats_bit_for_bit():
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("G", [1, 2, 5, 8, 33])
+def test_select_rows_gradient_of_whole_groups_adds_in_index_order(G):
+    """Rows repeated G times in a run (a rollout's groups) take a faster backward; its sums
+    must be a serial add in index order, bit for bit, at any thread count."""
+    g = torch.Generator().manual_seed(G)
+    x = torch.randn(3, 5, 7, generator=g)
+    index = torch.arange(3).repeat_interleave(G)
+    upstream = torch.randn(3 * G, 5, 7, generator=g)
+    expected = torch.zeros(3, 5, 7)
+    for j, row in enumerate(index.tolist()):  # one add at a time, in index order
+        expected[row] = expected[row] + upstream[j]
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            assert torch.equal(_grads(select_rows, x, index, upstream), expected)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _metrics(run_dir):
     return [{k: v for k, v in r.items() if not k.startswith("perf/")}
             for r in read_metrics(run_dir / "metrics.jsonl")]
