@@ -60,12 +60,11 @@ def decoder_or(plain: Callable, shared_prefix: bool | None = None,
 
 
 def _pack(linears, dtype, norm_weight: Tensor | None = None, q_scale: float | None = None):
-    """(W, bias, weight_first) of linears stacked along their outputs, W (out, in)
-    contiguous and cast to `dtype`. `norm_weight` (in,) scales W's columns (the RMSNorm
-    before it); `q_scale` scales the first linear's outputs (attention's 1/sqrt(D) on q).
-    Each matrix is scaled in its own dtype and cast before the stacking, so the one
-    full-size copy made is already in `dtype`. `weight_first`: how a decode step multiplies
-    it (`weight_first`)."""
+    """(W, bias, form) of linears stacked along their outputs, cast to `dtype`, W laid out
+    for `form` (`decode_form`): (in, out) for "in_out", else (out, in). `norm_weight` (in,)
+    scales W's columns (the RMSNorm before it); `q_scale` scales the first linear's outputs
+    (attention's 1/sqrt(D) on q). Each matrix is scaled in its own dtype and cast before
+    the stacking, so the one full-size copy made is already in `dtype`."""
     weights, biases = [], []
     for i, m in enumerate(linears):
         w, b = m.weight, m.bias
@@ -77,39 +76,49 @@ def _pack(linears, dtype, norm_weight: Tensor | None = None, q_scale: float | No
         biases.append(b)
     bias = None if biases[0] is None else torch.cat(biases).to(dtype)
     weight = weights[0] if len(weights) == 1 else torch.cat(weights)
-    return weight.contiguous(), bias, weight_first(dtype)
+    form = decode_form(dtype, weight.device.type)
+    return (weight.t().contiguous() if form == "in_out" else weight.contiguous()), bias, form
 
 
-def weight_first(dtype) -> bool:
-    """Whether a decode step computes its product as (W @ x^T)^T, the weight as the left
-    operand and the step's few rows (B*G = 16) as a 16-column right one, rather than as
-    x @ W^T. fp32: yes; in A/B runs of the small model's rollout MKL's sgemm ran the
-    decode steps 0.92-0.93x as long that way under AVX2 and 0.96-0.97x on AVX-512, at one
-    thread and two, with the same tokens (docs/performance.md). The prompt's hundreds of
-    rows run x @ W^T either way. Low precision keeps x @ W^T, the form its figures were
-    measured with."""
-    return dtype == torch.float32
+def decode_form(dtype, device_type: str = "cpu") -> str:
+    """How a decode step (B*G = 16 rows) multiplies by a packed weight, picked by
+    measurement per kind of CPU (docs/performance.md): MKL's sgemm runs the forms of the
+    same product at different speeds at so few rows, and alike from a few hundred.
+
+    - "in_out" (fp32 on AVX-512 kernels, and off the CPU): x @ W^T with W^T stored
+      (in, out). On an AVX-512 CPU without bf16 it ran the rollout in 0.61x the time of
+      x @ W^T on the (out, in) matrix; on one with bf16, 1.03-1.04x "weight_first"'s.
+    - "weight_first" (fp32 elsewhere): (W @ x^T)^T, W stored (out, in), the rows as a
+      16-column right operand: 0.92-0.93x "in_out"'s rollout under AVX2 kernels.
+    - "view" (low precision): x @ W^T on the (out, in) matrix, the form its figures were
+      measured with."""
+    if dtype != torch.float32:
+        return "view"
+    if device_type != "cpu" or torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
+        return "in_out"
+    return "weight_first"
 
 
 def _matmul(x: Tensor, packed, dtype) -> Tensor:
-    weight, bias, first = packed
+    weight, bias, form = packed
     x = x.to(dtype)
-    if first and x.dim() == 2:  # a decode step's rows
+    if form == "weight_first" and x.dim() == 2:  # a decode step's rows
         out = torch.mm(weight, x.t()) if bias is None else \
             torch.addmm(bias[:, None], weight, x.t())
         return out.t()
+    weight_t = weight if form == "in_out" else weight.t()
     rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-    out = torch.mm(rows, weight.t()) if bias is None else torch.addmm(bias, rows, weight.t())
+    out = torch.mm(rows, weight_t) if bias is None else torch.addmm(bias, rows, weight_t)
     return out if x.dim() == 2 else out.view(*x.shape[:-1], out.shape[-1])
 
 
 def _residual(x: Tensor, inp: Tensor, packed, dtype) -> Tensor:
     """x + inp @ W^T (+ bias): one fused product on a decode step's fp32 rows."""
-    weight, bias, first = packed
+    weight, bias, form = packed
     if x.dim() == 2 and bias is None and weight.dtype == x.dtype == inp.dtype:
-        if first:
+        if form == "weight_first":
             return torch.addmm(x.t(), weight, inp.t()).t()
-        return torch.addmm(x, inp, weight.t())
+        return torch.addmm(x, inp, weight if form == "in_out" else weight.t())
     return x + _matmul(inp, packed, dtype)
 
 
