@@ -76,38 +76,31 @@ def _pack(linears, dtype, norm_weight: Tensor | None = None, q_scale: float | No
         biases.append(b)
     bias = None if biases[0] is None else torch.cat(biases).to(dtype)
     weight = weights[0] if len(weights) == 1 else torch.cat(weights)
-    form = decode_form(dtype, weight.device.type)
+    form = decode_form(dtype)
     return (weight.t().contiguous() if form == "in_out" else weight.contiguous()), bias, form
 
 
-def decode_form(dtype, device_type: str = "cpu") -> str:
-    """How a decode step (B*G = 16 rows) multiplies by a packed weight, picked by
-    measurement per kind of CPU (docs/performance.md): MKL's sgemm runs the forms of the
-    same product at different speeds at so few rows, and alike from a few hundred.
+def decode_form(dtype) -> str:
+    """How a decode step (B*G = 16 rows) multiplies by a packed weight: MKL's sgemm runs
+    the forms of the same product at different speeds at so few rows, and alike from a
+    few hundred (docs/performance.md).
 
-    - "in_out" (fp32 on AVX-512 kernels, and off the CPU): x @ W^T with W^T stored
-      (in, out). On an AVX-512 CPU without bf16 it ran the rollout in 0.61x the time of
-      x @ W^T on the (out, in) matrix; on one with bf16, 1.03-1.04x "weight_first"'s.
-    - "weight_first" (fp32 elsewhere): (W @ x^T)^T, W stored (out, in), the rows as a
-      16-column right operand: 0.92-0.93x "in_out"'s rollout under AVX2 kernels.
+    - "in_out" (fp32): x @ W^T with W^T stored (in, out). On an AVX-512 CPU without bf16
+      it ran the rollout in 0.61x the time of x @ W^T on the (out, in) matrix. (W @ x^T)^T,
+      the rows as the right operand, ran it 0.92x as long as "in_out" under AVX2 kernels,
+      but there a row's logits changed with the number of rows beside it, and a 2-process
+      PPO run, each process sampling its share of the rows, parted from the 1-process run
+      (tests/test_parallel.py); it is not used.
     - "view" (low precision): x @ W^T on the (out, in) matrix, the form its figures were
       measured with."""
-    if dtype != torch.float32:
-        return "view"
-    if device_type != "cpu" or torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
-        return "in_out"
-    return "weight_first"
+    return "in_out" if dtype == torch.float32 else "view"
 
 
 def _matmul(x: Tensor, packed, dtype) -> Tensor:
     weight, bias, form = packed
     x = x.to(dtype)
-    if form == "weight_first" and x.dim() == 2:  # a decode step's rows
-        out = torch.mm(weight, x.t()) if bias is None else \
-            torch.addmm(bias[:, None], weight, x.t())
-        return out.t()
     weight_t = weight if form == "in_out" else weight.t()
-    rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # a decode step's are 2-D
     out = torch.mm(rows, weight_t) if bias is None else torch.addmm(bias, rows, weight_t)
     return out if x.dim() == 2 else out.view(*x.shape[:-1], out.shape[-1])
 
@@ -116,8 +109,6 @@ def _residual(x: Tensor, inp: Tensor, packed, dtype) -> Tensor:
     """x + inp @ W^T (+ bias): one fused product on a decode step's fp32 rows."""
     weight, bias, form = packed
     if x.dim() == 2 and bias is None and weight.dtype == x.dtype == inp.dtype:
-        if form == "weight_first":
-            return torch.addmm(x.t(), weight, inp.t()).t()
         return torch.addmm(x, inp, weight if form == "in_out" else weight.t())
     return x + _matmul(inp, packed, dtype)
 

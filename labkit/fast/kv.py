@@ -1,13 +1,13 @@
 """How a rollout's decode step reads the KV cache: one object, chosen when the decoder is built.
 
 Shapes: B prompts, G rows per prompt, N = B*G rows, P prompt positions (left-padded), T
-completion positions, Hkv key/value heads of `rep` query heads each, D head size. Both
-strategies keep fp32 buffers reserved for the whole completion and write each step's keys
-and values in place, each position's D values side by side (a step's write is one
-contiguous run per row and head; the scores read the keys transposed). Keeping the
-completion's keys by column (D, position) instead made a decode step's key write a strided
-scatter: the small model's rollout ran 1.05-1.10x as long under AVX2 and 1.08x on AVX-512
-(docs/performance.md). The prompt's keys, written once, are kept by column.
+completion positions, Hkv key/value heads of `rep` query heads each, D head size. Keys are
+kept by column (D, position) so that q @ K reads them in place. Both strategies keep fp32
+buffers reserved for the whole completion and write each step's keys and values in place.
+Keys kept by row (position, D) make a step's write contiguous (the small model's rollout
+0.91-0.96x as long) but, read transposed under MKL's AVX2 kernels, their scores changed
+with the number of rows, and a 2-process run parted from the 1-process one
+(tests/test_parallel.py); they stay by column.
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ class FullCache:
         """The next layer's prompt keys and values (B, Hkv, P, D), fp32."""
         G, P, S = self.G, self.P, self.P + self.T
         N, Hkv, D = k.shape[0] * G, k.shape[1], k.shape[3]
-        keys, values = k.new_empty(N, Hkv, S, D), k.new_empty(N, Hkv, S, D)
-        keys[:, :, :P] = k.repeat_interleave(G, dim=0)
+        keys, values = k.new_empty(N, Hkv, D, S), k.new_empty(N, Hkv, S, D)
+        keys[..., :P] = k.transpose(2, 3).repeat_interleave(G, dim=0)
         values[:, :, :P] = v.repeat_interleave(G, dim=0)
         self.layers.append((keys, values))
 
@@ -48,9 +48,9 @@ class FullCache:
         def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
             N, H, D = q.shape
             Hkv = k.shape[1]
-            keys[:, :, col] = k
+            keys[..., col] = k
             values[:, :, col] = v
-            own = torch.matmul(q.reshape(N, Hkv, H // Hkv, D), keys[:, :, :col + 1].transpose(2, 3))
+            own = torch.matmul(q.reshape(N, Hkv, H // Hkv, D), keys[..., :col + 1])
             probs = own.add_(self.bias[..., :col + 1]).softmax(-1)  # (N, Hkv, rep, col + 1)
             return torch.matmul(probs, values[:, :, :col + 1]).reshape(N, H * D)
         return attend
@@ -75,7 +75,7 @@ class SharedPrefix:
         # the prompt once per group: keys by column (D, P) for q @ K, values (P, D)
         self.prompt.append((k.transpose(2, 3).contiguous(), v.contiguous()))
         N, Hkv, D = k.shape[0] * self.G, k.shape[1], k.shape[3]
-        self.layers.append((k.new_empty(N, Hkv, self.T, D), k.new_empty(N, Hkv, self.T, D)))
+        self.layers.append((k.new_empty(N, Hkv, D, self.T), k.new_empty(N, Hkv, self.T, D)))
 
     def attend(self, i: int, t: int) -> Attend:
         """Layer i's attention at completion step t: q (N, H, D), k, v (N, Hkv, D)."""
@@ -86,10 +86,10 @@ class SharedPrefix:
             N, H, D = q.shape
             Hkv = k.shape[1]
             rep, B = H // Hkv, N // G
-            keys[:, :, t] = k
+            keys[..., t] = k
             values[:, :, t] = v
             q = q.reshape(N, Hkv, rep, D)
-            own = torch.matmul(q, keys[:, :, :t + 1].transpose(2, 3))  # (N, Hkv, rep, t + 1)
+            own = torch.matmul(q, keys[..., :t + 1])  # (N, Hkv, rep, t + 1)
             # the G rows' queries of a prompt against its keys: one (G*rep, P) block
             qg = q.view(B, G, Hkv, rep, D).transpose(1, 2).reshape(B, Hkv, G * rep, D)
             shared = torch.matmul(qg, prompt_k).add_(self.prompt_bias)  # (B, Hkv, G*rep, P)
