@@ -144,16 +144,16 @@ def test_bf16_autocast_log_probs_stay_close_to_the_model_under_autocast(model_an
 
 
 @pytest.mark.parametrize("by_row", [False, True])
-@pytest.mark.parametrize("form", ["in_out", "view"])
+@pytest.mark.parametrize("in_out", [True, False])
 @pytest.mark.parametrize("shared_prefix", [False, True])
-def test_decoder_logits_match_the_model_at_every_step(model_and_tokenizer, shared_prefix, form,
-                                                      by_row, monkeypatch):
-    """Every decode form, KV strategy and key layout (`keys_by_row` picks one by the CPU's
-    kernels)."""
+def test_decoder_logits_match_the_model_at_every_step(model_and_tokenizer, shared_prefix,
+                                                      in_out, by_row, monkeypatch):
+    """Every weight layout, KV strategy and key layout (`keys_by_row` picks one by the
+    CPU's kernels)."""
     from labkit.fast import decoder as fast_decoder
     from labkit.fast import kv
 
-    monkeypatch.setattr(fast_decoder, "decode_form", lambda dtype: form)
+    monkeypatch.setattr(fast_decoder, "in_out_layout", lambda dtype: in_out)
     monkeypatch.setattr(kv, "keys_by_row", lambda: by_row)
     model, tokenizer = model_and_tokenizer
     ids, mask = encode_prompts(tokenizer, PROMPTS)
@@ -186,12 +186,12 @@ def test_keys_by_row_only_on_avx512_kernels(monkeypatch):
         assert kv.keys_by_row() is expected, (capability, mkl)
 
 
-def test_decode_form_follows_the_precision():
+def test_weights_are_laid_out_in_out_for_fp32_only():
     from labkit.fast import decoder as fast_decoder
 
-    assert fast_decoder.decode_form(torch.float32) == "in_out"
-    assert fast_decoder.decode_form(torch.bfloat16) == "view"
-    assert fast_decoder.decode_form(torch.float16) == "view"
+    assert fast_decoder.in_out_layout(torch.float32)
+    assert not fast_decoder.in_out_layout(torch.bfloat16)
+    assert not fast_decoder.in_out_layout(torch.float16)
 
 
 def test_bf16_decoder_stays_close_to_the_model(model_and_tokenizer):

@@ -60,11 +60,11 @@ def decoder_or(plain: Callable, shared_prefix: bool | None = None,
 
 
 def _pack(linears, dtype, norm_weight: Tensor | None = None, q_scale: float | None = None):
-    """(W, bias, form) of linears stacked along their outputs, cast to `dtype`, W laid out
-    for `form` (`decode_form`): (in, out) for "in_out", else (out, in). `norm_weight` (in,)
-    scales W's columns (the RMSNorm before it); `q_scale` scales the first linear's outputs
-    (attention's 1/sqrt(D) on q). Each matrix is scaled in its own dtype and cast before
-    the stacking, so the one full-size copy made is already in `dtype`."""
+    """(W^T, bias) of linears stacked along their outputs, cast to `dtype`, for
+    `mm(x, W^T)`. `norm_weight` (in,) scales W's columns (the RMSNorm before it);
+    `q_scale` scales the first linear's outputs (attention's 1/sqrt(D) on q). Each matrix is
+    scaled in its own dtype and cast before the stacking, so the one full-size copy made
+    is already in `dtype`. W^T is laid out by `in_out_layout`."""
     weights, biases = [], []
     for i, m in enumerate(linears):
         w, b = m.weight, m.bias
@@ -76,30 +76,26 @@ def _pack(linears, dtype, norm_weight: Tensor | None = None, q_scale: float | No
         biases.append(b)
     bias = None if biases[0] is None else torch.cat(biases).to(dtype)
     weight = weights[0] if len(weights) == 1 else torch.cat(weights)
-    form = decode_form(dtype)
-    return (weight.t().contiguous() if form == "in_out" else weight.contiguous()), bias, form
+    return (weight.t().contiguous() if in_out_layout(dtype) else weight.contiguous().t()), bias
 
 
-def decode_form(dtype) -> str:
-    """How a decode step (B*G = 16 rows) multiplies by a packed weight: MKL's sgemm runs
-    the forms of the same product at different speeds at so few rows, and alike from a
-    few hundred (docs/performance.md).
-
-    - "in_out" (fp32): x @ W^T with W^T stored (in, out). On an AVX-512 CPU without bf16
-      it ran the rollout in 0.61x the time of x @ W^T on the (out, in) matrix. (W @ x^T)^T,
-      the rows as the right operand, ran it 0.92x as long as "in_out" under AVX2 kernels,
-      but there a row's logits changed with the number of rows beside it, and a 2-process
-      PPO run, each process sampling its share of the rows, parted from the 1-process run
-      (tests/test_parallel.py); it is not used.
-    - "view" (low precision): x @ W^T on the (out, in) matrix, the form its figures were
-      measured with."""
-    return "in_out" if dtype == torch.float32 else "view"
+def in_out_layout(dtype) -> bool:
+    """Whether the packed W^T is stored (in, out) in memory, so a product reads it row by
+    row, rather than as a transposed view of the (out, in) matrix. fp32: (in, out). At a
+    decode step's few rows (B*G = 16) MKL's sgemm runs the transposed view 1.4x (AVX2) to
+    5x (AVX-512) slower than the same product on (in, out), and from a few hundred rows both
+    run alike (docs/performance.md). Low precision keeps the transposed view, the layout
+    its figures were measured with. (W @ x^T)^T, the rows as the right operand, ran the
+    small model's rollout 0.92x as long as (in, out) under AVX2 kernels, but there a row's
+    logits changed with the number of rows beside it, and a 2-process PPO run, each process
+    sampling its share of the rows, parted from the 1-process run (tests/test_parallel.py);
+    it is not used."""
+    return dtype == torch.float32
 
 
 def _matmul(x: Tensor, packed, dtype) -> Tensor:
-    weight, bias, form = packed
+    weight_t, bias = packed
     x = x.to(dtype)
-    weight_t = weight if form == "in_out" else weight.t()
     rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # a decode step's are 2-D
     out = torch.mm(rows, weight_t) if bias is None else torch.addmm(bias, rows, weight_t)
     return out if x.dim() == 2 else out.view(*x.shape[:-1], out.shape[-1])
@@ -107,9 +103,9 @@ def _matmul(x: Tensor, packed, dtype) -> Tensor:
 
 def _residual(x: Tensor, inp: Tensor, packed, dtype) -> Tensor:
     """x + inp @ W^T (+ bias): one fused product on a decode step's fp32 rows."""
-    weight, bias, form = packed
-    if x.dim() == 2 and bias is None and weight.dtype == x.dtype == inp.dtype:
-        return torch.addmm(x, inp, weight if form == "in_out" else weight.t())
+    weight_t, bias = packed
+    if x.dim() == 2 and bias is None and weight_t.dtype == x.dtype == inp.dtype:
+        return torch.addmm(x, inp, weight_t)
     return x + _matmul(inp, packed, dtype)
 
 

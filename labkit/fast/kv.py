@@ -1,15 +1,16 @@
 """How a rollout's decode step reads the KV cache: one object, chosen when the decoder is built.
 
 Shapes: B prompts, G rows per prompt, N = B*G rows, P prompt positions (left-padded), T
-completion positions, Hkv key/value heads of `rep` query heads each, D head size. Keys are
-kept by column (D, position) so that q @ K reads them in place. Both strategies keep fp32
+completion positions, Hkv key/value heads of `rep` query heads each, D head size. A
+shared prompt's keys are kept by column (D, position) so that q @ K reads them in place. Both strategies keep fp32
 buffers reserved for the whole completion and write each step's keys and values in place.
 The completion's keys are kept by row (position, D) where MKL runs AVX-512 kernels
 (`keys_by_row`): a step's key write is then one contiguous run per row and head, not a
 strided scatter, and the scores read the keys transposed (the small model's rollout
-0.91-0.96x as long, A/B in one process). Under MKL's AVX2
-kernels the scores of keys read that way changed with the number of rows, and a 2-process
-run parted from the 1-process one (tests/test_parallel.py): there they stay by column.
+0.91-0.96x as long, A/B in one process). Under MKL's AVX2 kernels the scores of keys read
+that way changed with the number of rows, and a 2-process run parted from the 1-process
+one (tests/test_parallel.py): there they stay by column. Either way the buffer is indexed
+(.., position, D); by column it is a transposed view of (.., D, position) storage.
 """
 
 from __future__ import annotations
@@ -31,20 +32,12 @@ def keys_by_row() -> bool:
     return mkl.startswith(("AVX512", "AVX10"))
 
 
-def _keys(k: Tensor, N: int, Hkv: int, S: int, D: int, by_row: bool) -> Tensor:
-    return k.new_empty(N, Hkv, S, D) if by_row else k.new_empty(N, Hkv, D, S)
-
-
-def _write_key(keys: Tensor, pos: int, k: Tensor, by_row: bool) -> None:
-    if by_row:
-        keys[:, :, pos] = k
-    else:
-        keys[..., pos] = k
-
-
-def _key_block(keys: Tensor, end: int, by_row: bool) -> Tensor:
-    """Keys of positions :end laid out (.., D, end) for q @ K."""
-    return keys[:, :, :end].transpose(2, 3) if by_row else keys[..., :end]
+def _keys(k: Tensor, N: int, Hkv: int, S: int, D: int) -> Tensor:
+    """A key buffer indexed (N, Hkv, position, D), stored by row or by column
+    (`keys_by_row`)."""
+    if keys_by_row():
+        return k.new_empty(N, Hkv, S, D)
+    return k.new_empty(N, Hkv, D, S).transpose(2, 3)
 
 
 class FullCache:
@@ -55,7 +48,6 @@ class FullCache:
         """Before the prefill: the (B, P) prompt mask, G and T."""
         B, P = prompt_mask.shape
         self.G, self.P, self.T, self.layers = group_size, P, max_new_tokens, []
-        self.by_row = keys_by_row()
         # every completion position is attended to once written; prompt padding never is
         self.bias = torch.zeros(B * group_size, 1, 1, P + max_new_tokens, dtype=torch.float32,
                                 device=prompt_mask.device)
@@ -65,11 +57,8 @@ class FullCache:
         """The next layer's prompt keys and values (B, Hkv, P, D), fp32."""
         G, P, S = self.G, self.P, self.P + self.T
         N, Hkv, D = k.shape[0] * G, k.shape[1], k.shape[3]
-        keys, values = _keys(k, N, Hkv, S, D, self.by_row), k.new_empty(N, Hkv, S, D)
-        if self.by_row:
-            keys[:, :, :P] = k.repeat_interleave(G, dim=0)
-        else:
-            keys[..., :P] = k.transpose(2, 3).repeat_interleave(G, dim=0)
+        keys, values = _keys(k, N, Hkv, S, D), k.new_empty(N, Hkv, S, D)
+        keys[:, :, :P] = k.repeat_interleave(G, dim=0)
         values[:, :, :P] = v.repeat_interleave(G, dim=0)
         self.layers.append((keys, values))
 
@@ -81,10 +70,10 @@ class FullCache:
         def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
             N, H, D = q.shape
             Hkv = k.shape[1]
-            _write_key(keys, col, k, self.by_row)
+            keys[:, :, col] = k
             values[:, :, col] = v
             own = torch.matmul(q.reshape(N, Hkv, H // Hkv, D),
-                               _key_block(keys, col + 1, self.by_row))
+                               keys[:, :, :col + 1].transpose(2, 3))
             probs = own.add_(self.bias[..., :col + 1]).softmax(-1)  # (N, Hkv, rep, col + 1)
             return torch.matmul(probs, values[:, :, :col + 1]).reshape(N, H * D)
         return attend
@@ -103,15 +92,13 @@ class SharedPrefix:
         self.G, self.P, self.T, self.layers, self.prompt = \
             group_size, prompt_mask.shape[1], max_new_tokens, [], []
         self.prompt_bias = _prompt_bias(prompt_mask)  # (B, 1, 1, P)
-        self.by_row = keys_by_row()
 
     def store_prompt(self, k: Tensor, v: Tensor) -> None:
         """The next layer's prompt keys and values (B, Hkv, P, D), fp32."""
         # the prompt once per group: keys by column (D, P) for q @ K, values (P, D)
         self.prompt.append((k.transpose(2, 3).contiguous(), v.contiguous()))
         N, Hkv, D = k.shape[0] * self.G, k.shape[1], k.shape[3]
-        self.layers.append((_keys(k, N, Hkv, self.T, D, self.by_row),
-                            k.new_empty(N, Hkv, self.T, D)))
+        self.layers.append((_keys(k, N, Hkv, self.T, D), k.new_empty(N, Hkv, self.T, D)))
 
     def attend(self, i: int, t: int) -> Attend:
         """Layer i's attention at completion step t: q (N, H, D), k, v (N, Hkv, D)."""
@@ -122,10 +109,10 @@ class SharedPrefix:
             N, H, D = q.shape
             Hkv = k.shape[1]
             rep, B = H // Hkv, N // G
-            _write_key(keys, t, k, self.by_row)
+            keys[:, :, t] = k
             values[:, :, t] = v
             q = q.reshape(N, Hkv, rep, D)
-            own = torch.matmul(q, _key_block(keys, t + 1, self.by_row))  # (N, Hkv, rep, t + 1)
+            own = torch.matmul(q, keys[:, :, :t + 1].transpose(2, 3))  # (N, Hkv, rep, t + 1)
             # the G rows' queries of a prompt against its keys: one (G*rep, P) block
             qg = q.view(B, G, Hkv, rep, D).transpose(1, 2).reshape(B, Hkv, G * rep, D)
             shared = torch.matmul(qg, prompt_k).add_(self.prompt_bias)  # (B, Hkv, G*rep, P)
