@@ -26,6 +26,7 @@ weights stay equal without being sent.
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 
 import torch
@@ -204,3 +205,26 @@ def raise_together(error: Exception | None, accelerator) -> None:
     errors = [e for e in _all_gather(error) if e is not None]
     if errors:
         raise errors[0]
+
+
+def leave() -> None:
+    """Destroy the default process group, where a distributed launch made one, and give
+    gloo's worker threads a moment with the GIL free before the interpreter ends.
+
+    A gloo worker drops a finished collective's tensors just after the caller's wait
+    returns; a tensor made in Python (`broadcast_object_list` makes them) then needs the
+    GIL to be freed. If the main thread has begun to finalize by then, that worker thread
+    exits mid-unwind and the process aborts ('terminate called without an active
+    exception', exit -6) after its run has finished and written everything: 1 launch in
+    30 or so of tests/test_parallel.py's 2-process runs. Destroying the group does not
+    stop its threads while another object still holds it (a model loaded by transformers
+    under a distributed launch does), so the pause is what lets such a worker finish.
+    `labkit`'s commands call this on their way out; a script that calls
+    `labkit.trainer.train` on several processes should call it before it exits."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+        time.sleep(LEAVE_PAUSE_S)  # the GIL is free while the main thread sleeps
+
+
+LEAVE_PAUSE_S = 0.2
+"""How long `leave` keeps the GIL free for gloo's workers (they need microseconds)."""

@@ -168,6 +168,24 @@ def test_processes_take_grad_accum_micro_batches_each():
         assert torch.equal(torch.cat(a), torch.cat(b))
 
 
+@pytest.mark.parametrize("argv", [["train", "--steps", "0"], ["train", "--steps", "1",
+                                                                 "--model", "no/such/model"]])
+def test_the_command_leaves_the_process_group_on_its_way_out(argv):
+    """A process group alive at exit leaves gloo's threads to the interpreter's teardown,
+    which now and then aborted a finished 2-process run (exit -6): `labkit train` destroys
+    it on the way out, on an error too."""
+    script = ("import sys, torch.distributed as dist\n"
+              "dist.init_process_group('gloo', rank=0, world_size=1)\n"
+              "from labkit.__main__ import main\n"
+              f"code = main({argv!r})\n"
+              "print('code', code, 'alive', dist.is_initialized())\n")
+    env = {**_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True,
+                          text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "code 2 alive False" in done.stdout, (done.stdout, done.stderr[-2000:])
+
+
 def test_two_processes_train_as_one_grpo(tmp_path):
     """accelerate launch, 2 processes (grad_accum 1: 2 micro-batches a minibatch) against
     one process with grad_accum 2 (the same micro-batches) and with grad_accum 1 (one
