@@ -143,14 +143,18 @@ def test_bf16_autocast_log_probs_stay_close_to_the_model_under_autocast(model_an
     assert ours_err < 0.05 and ours_err < 3 * theirs_err + 1e-3
 
 
+@pytest.mark.parametrize("by_row", [False, True])
 @pytest.mark.parametrize("in_out", [True, False])
 @pytest.mark.parametrize("shared_prefix", [False, True])
 def test_decoder_logits_match_the_model_at_every_step(model_and_tokenizer, shared_prefix,
-                                                      in_out, monkeypatch):
-    """Both weight layouts and both KV strategies."""
+                                                      in_out, by_row, monkeypatch):
+    """Every weight layout, KV strategy and key layout (`keys_by_row` picks one by the
+    CPU's kernels)."""
     from labkit.fast import decoder as fast_decoder
+    from labkit.fast import kv
 
     monkeypatch.setattr(fast_decoder, "in_out_layout", lambda dtype: in_out)
+    monkeypatch.setattr(kv, "keys_by_row", lambda: by_row)
     model, tokenizer = model_and_tokenizer
     ids, mask = encode_prompts(tokenizer, PROMPTS)
     G, T = 3, 6
@@ -166,6 +170,20 @@ def test_decoder_logits_match_the_model_at_every_step(model_and_tokenizer, share
         seq_mask = torch.cat([seq_mask, torch.ones_like(token[:, None])], 1)
         if step < T - 1:
             logits = decoder.step(token)
+
+
+def test_keys_by_row_only_on_avx512_kernels(monkeypatch):
+    from labkit.fast import kv
+
+    for capability, mkl, expected in (("AVX512", None, True), ("AVX512", "AVX512_E1", True),
+                                      ("AVX512", "AVX2", False), ("AVX2", None, False),
+                                      ("DEFAULT", None, False)):
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda c=capability: c)
+        if mkl is None:
+            monkeypatch.delenv("MKL_ENABLE_INSTRUCTIONS", raising=False)
+        else:
+            monkeypatch.setenv("MKL_ENABLE_INSTRUCTIONS", mkl)
+        assert kv.keys_by_row() is expected, (capability, mkl)
 
 
 def test_weights_are_laid_out_in_out_for_fp32_only():

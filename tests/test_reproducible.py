@@ -37,8 +37,8 @@ def test_select_rows_matches_indexing_and_repeats_bit_for_bit():
 
 @pytest.mark.parametrize("G", [1, 2, 5, 8, 33])
 def test_select_rows_gradient_of_whole_groups_adds_in_index_order(G):
-    """Rows repeated G times in a run (a rollout's groups): the gradient is a serial add in
-    index order, bit for bit, at any thread count."""
+    """Rows repeated G times in a run (a rollout's groups) take a faster backward; its sums
+    must be a serial add in index order, bit for bit, at any thread count."""
     g = torch.Generator().manual_seed(G)
     x = torch.randn(3, 5, 7, generator=g)
     index = torch.arange(3).repeat_interleave(G)

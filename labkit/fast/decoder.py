@@ -95,7 +95,7 @@ def in_out_layout(dtype) -> bool:
 
 def _matmul(x: Tensor, packed, dtype) -> Tensor:
     weight_t, bias = packed
-    x = x.to(dtype)
+    x = x if x.dtype == dtype else x.to(dtype)
     rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # a decode step's are 2-D
     out = torch.mm(rows, weight_t) if bias is None else torch.addmm(bias, rows, weight_t)
     return out if x.dim() == 2 else out.view(*x.shape[:-1], out.shape[-1])
@@ -140,10 +140,10 @@ class _PackedLayer:
     def qkv(self, h: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         H, Hkv, D = self.H, self.Hkv, self.D
         qkv = _matmul(h, self.w_qkv, self.dtype)
-        lead = qkv.shape[:-1]
-        return (qkv[..., :H * D].float().view(*lead, H, D),
-                qkv[..., H * D:(H + Hkv) * D].float().view(*lead, Hkv, D),
-                qkv[..., (H + Hkv) * D:].view(*lead, Hkv, D))
+        q, k, v = qkv.unflatten(-1, (H + 2 * Hkv, D)).split([H, Hkv, Hkv], dim=-2)
+        if q.dtype != torch.float32:  # q and k go on in fp32 (their norms and RoPE)
+            q, k = q.float(), k.float()
+        return q, k, v
 
     def qk_norm(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
         if self.q_norm is None:
@@ -154,9 +154,7 @@ class _PackedLayer:
         return _residual(x, o, self.w_o, self.dtype)
 
     def gate_up(self, h: Tensor) -> tuple[Tensor, Tensor]:
-        gu = _matmul(h, self.w_gu, self.dtype)
-        inter = gu.shape[-1] // 2
-        return gu[..., :inter], gu[..., inter:]
+        return _matmul(h, self.w_gu, self.dtype).chunk(2, dim=-1)
 
     def residual_down(self, x: Tensor, act: Tensor) -> Tensor:
         return _residual(x, act, self.w_down, self.dtype)

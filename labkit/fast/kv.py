@@ -1,21 +1,43 @@
 """How a rollout's decode step reads the KV cache: one object, chosen when the decoder is built.
 
 Shapes: B prompts, G rows per prompt, N = B*G rows, P prompt positions (left-padded), T
-completion positions, Hkv key/value heads of `rep` query heads each, D head size. Keys are
-kept by column (D, position) so that q @ K reads them in place. Both strategies keep fp32
+completion positions, Hkv key/value heads of `rep` query heads each, D head size. A
+shared prompt's keys are kept by column (D, position) so that q @ K reads them in place. Both strategies keep fp32
 buffers reserved for the whole completion and write each step's keys and values in place.
-Keys kept by row (position, D) made a step's key write contiguous (the small model's
-rollout 0.91-0.96x as long) but, under MKL's AVX2 kernels, their scores changed with the
-number of rows, and 2-process runs aborted now and then with them on AVX-512; they are not
-used.
+The completion's keys are kept by row (position, D) where MKL runs AVX-512 kernels
+(`keys_by_row`): a step's key write is then one contiguous run per row and head, not a
+strided scatter, and the scores read the keys transposed (the small model's rollout
+0.91-0.96x as long, A/B in one process). Under MKL's AVX2 kernels the scores of keys read
+that way changed with the number of rows, and a 2-process run parted from the 1-process
+one (tests/test_parallel.py): there they stay by column. Either way the buffer is indexed
+(.., position, D); by column it is a transposed view of (.., D, position) storage.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 from torch import Tensor
 
 from labkit.fast.layer import Attend
+
+
+def keys_by_row() -> bool:
+    """Whether the completion's keys are kept (position, D): where torch's kernels are
+    AVX-512 and MKL is not held below it (`MKL_ENABLE_INSTRUCTIONS`)."""
+    if not torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
+        return False
+    mkl = os.environ.get("MKL_ENABLE_INSTRUCTIONS", "AVX512").upper()
+    return mkl.startswith(("AVX512", "AVX10"))
+
+
+def _keys(k: Tensor, N: int, Hkv: int, S: int, D: int) -> Tensor:
+    """A key buffer indexed (N, Hkv, position, D), stored by row or by column
+    (`keys_by_row`)."""
+    if keys_by_row():
+        return k.new_empty(N, Hkv, S, D)
+    return k.new_empty(N, Hkv, D, S).transpose(2, 3)
 
 
 class FullCache:
@@ -35,8 +57,8 @@ class FullCache:
         """The next layer's prompt keys and values (B, Hkv, P, D), fp32."""
         G, P, S = self.G, self.P, self.P + self.T
         N, Hkv, D = k.shape[0] * G, k.shape[1], k.shape[3]
-        keys, values = k.new_empty(N, Hkv, D, S), k.new_empty(N, Hkv, S, D)
-        keys[..., :P] = k.transpose(2, 3).repeat_interleave(G, dim=0)
+        keys, values = _keys(k, N, Hkv, S, D), k.new_empty(N, Hkv, S, D)
+        keys[:, :, :P] = k.repeat_interleave(G, dim=0)
         values[:, :, :P] = v.repeat_interleave(G, dim=0)
         self.layers.append((keys, values))
 
@@ -48,9 +70,10 @@ class FullCache:
         def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
             N, H, D = q.shape
             Hkv = k.shape[1]
-            keys[..., col] = k
+            keys[:, :, col] = k
             values[:, :, col] = v
-            own = torch.matmul(q.reshape(N, Hkv, H // Hkv, D), keys[..., :col + 1])
+            own = torch.matmul(q.reshape(N, Hkv, H // Hkv, D),
+                               keys[:, :, :col + 1].transpose(2, 3))
             probs = own.add_(self.bias[..., :col + 1]).softmax(-1)  # (N, Hkv, rep, col + 1)
             return torch.matmul(probs, values[:, :, :col + 1]).reshape(N, H * D)
         return attend
@@ -75,7 +98,7 @@ class SharedPrefix:
         # the prompt once per group: keys by column (D, P) for q @ K, values (P, D)
         self.prompt.append((k.transpose(2, 3).contiguous(), v.contiguous()))
         N, Hkv, D = k.shape[0] * self.G, k.shape[1], k.shape[3]
-        self.layers.append((k.new_empty(N, Hkv, D, self.T), k.new_empty(N, Hkv, self.T, D)))
+        self.layers.append((_keys(k, N, Hkv, self.T, D), k.new_empty(N, Hkv, self.T, D)))
 
     def attend(self, i: int, t: int) -> Attend:
         """Layer i's attention at completion step t: q (N, H, D), k, v (N, Hkv, D)."""
@@ -86,10 +109,10 @@ class SharedPrefix:
             N, H, D = q.shape
             Hkv = k.shape[1]
             rep, B = H // Hkv, N // G
-            keys[..., t] = k
+            keys[:, :, t] = k
             values[:, :, t] = v
             q = q.reshape(N, Hkv, rep, D)
-            own = torch.matmul(q, keys[..., :t + 1])  # (N, Hkv, rep, t + 1)
+            own = torch.matmul(q, keys[:, :, :t + 1].transpose(2, 3))  # (N, Hkv, rep, t + 1)
             # the G rows' queries of a prompt against its keys: one (G*rep, P) block
             qg = q.view(B, G, Hkv, rep, D).transpose(1, 2).reshape(B, Hkv, G * rep, D)
             shared = torch.matmul(qg, prompt_k).add_(self.prompt_bias)  # (B, Hkv, G*rep, P)
