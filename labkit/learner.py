@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import torch
 
-from labkit import rundir
+from labkit import parallel, rundir
 from labkit.algos import Learner
 from labkit.config import TrainConfig
 
@@ -40,7 +40,9 @@ def make_accelerator(config: TrainConfig):
         torch.cuda.set_device(device)
     mixed = "bf16" if resolve_precision(config.precision, device) == "bf16" else "no"
     _forget_other_precision(mixed)
-    return Accelerator(cpu=device.type == "cpu", mixed_precision=mixed)
+    accelerator = Accelerator(cpu=device.type == "cpu", mixed_precision=mixed)
+    parallel.leave_at_exit()  # a distributed launch: the process group goes before the exit
+    return accelerator
 
 
 def resolve_precision(precision: str, device: torch.device) -> str:

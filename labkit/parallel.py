@@ -26,6 +26,7 @@ weights stay equal without being sent.
 
 from __future__ import annotations
 
+import atexit
 import time
 from dataclasses import replace
 
@@ -219,11 +220,27 @@ def leave() -> None:
     30 or so of tests/test_parallel.py's 2-process runs. Destroying the group does not
     stop its threads while another object still holds it (a model loaded by transformers
     under a distributed launch does), so the pause is what lets such a worker finish.
-    `labkit`'s commands call this on their way out; a script that calls
-    `labkit.trainer.train` on several processes should call it before it exits."""
+    `labkit`'s commands call this on their way out, and `leave_at_exit` has it run at the
+    exit of any process that builds an accelerator while a process group exists (a script
+    that calls `labkit.trainer.train` on several processes)."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
         time.sleep(LEAVE_PAUSE_S)  # the GIL is free while the main thread sleeps
+
+
+_LEAVE_REGISTERED = False
+
+
+def leave_at_exit() -> None:
+    """Have `leave` run when the interpreter exits (once per process, from the first call
+    on), where a process group exists: atexit handlers run before the interpreter begins
+    to finalize, while gloo's workers can still take the GIL."""
+    global _LEAVE_REGISTERED
+    if _LEAVE_REGISTERED or not (torch.distributed.is_available()
+                                 and torch.distributed.is_initialized()):
+        return
+    atexit.register(leave)
+    _LEAVE_REGISTERED = True
 
 
 LEAVE_PAUSE_S = 0.2

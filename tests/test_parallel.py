@@ -186,6 +186,28 @@ def test_the_command_leaves_the_process_group_on_its_way_out(argv):
     assert "code 2 alive False" in done.stdout, (done.stdout, done.stderr[-2000:])
 
 
+def test_a_script_leaves_the_process_group_at_exit():
+    """A script that builds an accelerator under a process group (as `train` does) has
+    `parallel.leave` registered to run at exit, once, while the interpreter is whole."""
+    script = ("import atexit, torch.distributed as dist\n"
+              "dist.init_process_group('gloo', rank=0, world_size=1)\n"
+              "from labkit import parallel\n"
+              "from labkit.config import TrainConfig\n"
+              "from labkit.learner import make_accelerator\n"
+              "calls = []\n"
+              "parallel.leave = lambda real=parallel.leave: (calls.append(1), real())\n"
+              "make_accelerator(TrainConfig()); make_accelerator(TrainConfig())\n"
+              "print('alive before exit', dist.is_initialized())\n"
+              "atexit._run_exitfuncs()\n"
+              "print('alive after exit', dist.is_initialized(), 'calls', len(calls))\n")
+    env = {**_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True,
+                          text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "alive before exit True" in done.stdout, done.stdout
+    assert "alive after exit False calls 1" in done.stdout, (done.stdout, done.stderr[-2000:])
+
+
 def test_two_processes_train_as_one_grpo(tmp_path):
     """accelerate launch, 2 processes (grad_accum 1: 2 micro-batches a minibatch) against
     one process with grad_accum 2 (the same micro-batches) and with grad_accum 1 (one
