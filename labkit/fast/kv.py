@@ -2,8 +2,9 @@
 
 Shapes: B prompts, G rows per prompt, N = B*G rows, P prompt positions (left-padded), T
 completion positions, Hkv key/value heads of `rep` query heads each, D head size. A
-shared prompt's keys are kept by column (D, position) so that q @ K reads them in place. Both strategies keep fp32
-buffers reserved for the whole completion and write each step's keys and values in place.
+shared prompt's keys are kept by column (D, position) so that q @ K reads them in place.
+Both strategies keep fp32 buffers reserved for the whole completion and write each step's
+keys and values in place.
 The completion's keys are kept by row (position, D) where MKL runs AVX-512 kernels
 (`keys_by_row`): a step's key write is then one contiguous run per row and head, not a
 strided scatter, and the scores read the keys transposed (the small model's rollout
