@@ -411,12 +411,6 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(run_diagnose(args), allow_nan=False))
             return 0
         result = run_train(args) if args.command == "train" else run_eval(args)
-        if args.command == "train":
-            from accelerate import PartialState
-
-            if PartialState().is_main_process:  # several processes: the summary once
-                print(json.dumps(result))
-            return 0
     except (ValueError, FileNotFoundError, FileExistsError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -427,10 +421,12 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"error: {e}", file=sys.stderr)
         return 1
-    finally:
-        from labkit.parallel import leave
+    if args.command == "train":
+        from accelerate import PartialState
 
-        leave()  # a distributed launch: its process group, before the interpreter ends
+        if PartialState().is_main_process:  # several processes: the summary once
+            print(json.dumps(result))
+        return 0
     width = max(map(len, result))
     for key, value in result.items():
         shown = f"{value:.3f}" if isinstance(value, float) else value

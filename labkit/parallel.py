@@ -220,9 +220,9 @@ def leave() -> None:
     30 or so of tests/test_parallel.py's 2-process runs. Destroying the group does not
     stop its threads while another object still holds it (a model loaded by transformers
     under a distributed launch does), so the pause is what lets such a worker finish.
-    `labkit`'s commands call this on their way out, and `leave_at_exit` has it run at the
-    exit of any process that builds an accelerator while a process group exists (a script
-    that calls `labkit.trainer.train` on several processes)."""
+    `leave_at_exit` has it run at the exit of any process that builds an accelerator
+    while a process group exists (`labkit train` on several processes, or a script that
+    calls `labkit.trainer.train` there)."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
         time.sleep(LEAVE_PAUSE_S)  # the GIL is free while the main thread sleeps
