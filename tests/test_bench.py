@@ -159,6 +159,37 @@ def test_the_step_floor_sees_the_backward_and_replays_expanded_inputs():
     assert floor["floor_ops"] > 2
 
 
+def test_the_step_floor_counts_products_made_in_inference_mode():
+    """In inference mode F.linear and torch.matmul reach a dispatch mode undecomposed (as
+    in the rollout and the reference's pass): they are products, replayed as such; so is
+    the product on a weight packed by oneDNN, replayed on that weight."""
+    from labkit.bench import floor
+    from labkit.fast import decoder as fast_decoder
+
+    x, w, v = torch.randn(4, 64), torch.randn(32, 64), torch.randn(64, 8)
+    linear = torch.nn.Linear(64, 32, bias=False)
+    form = "onednn" if fast_decoder.onednn_packs(torch.float32) else "in_out"
+    packed = fast_decoder._pack([linear], torch.float32, form)
+
+    def step():
+        with torch.inference_mode():
+            torch.nn.functional.linear(x, w)
+            torch.matmul(x, v)
+            fast_decoder._matmul(x, packed, torch.float32)
+            x.relu()
+
+    calls, dispatched = floor.record_products(step)
+    names = [str(func) for func, _, _ in calls]
+    assert names[:2] == ["aten.linear.default", "aten.matmul.default"]
+    if packed.form == "onednn":
+        assert names[2:] == ["mkldnn._linear_pointwise.default"]
+        replayed = floor.replay_inputs(calls)[2][1]
+        assert replayed[1] is packed.matrix
+    result = step_floor(step, "cpu", replays=2)
+    assert result["floor_products"] == len(calls) == 2 + (packed.form == "onednn")
+    assert result["floor_ops"] > result["floor_products"]
+
+
 def test_the_floor_replays_each_large_weight_on_its_own_tensor_and_small_ones_shared():
     """Four layers' 2 MiB weights of one layout replay on four tensors (as a step reads
     four weights from memory), four small ones on one; past the budget, large ones share."""

@@ -144,16 +144,18 @@ def test_bf16_autocast_log_probs_stay_close_to_the_model_under_autocast(model_an
 
 
 @pytest.mark.parametrize("by_row", [False, True])
-@pytest.mark.parametrize("in_out", [True, False])
+@pytest.mark.parametrize("form", ["onednn", "in_out", "out_in"])
 @pytest.mark.parametrize("shared_prefix", [False, True])
 def test_decoder_logits_match_the_model_at_every_step(model_and_tokenizer, shared_prefix,
-                                                      in_out, by_row, monkeypatch):
-    """Every weight layout, KV strategy and key layout (`keys_by_row` picks one by the
-    CPU's kernels)."""
+                                                      form, by_row, monkeypatch):
+    """Every weight form, KV strategy and key layout (`weight_form` and `keys_by_row` pick
+    them by the CPU)."""
     from labkit.fast import decoder as fast_decoder
     from labkit.fast import kv
 
-    monkeypatch.setattr(fast_decoder, "in_out_layout", lambda dtype: in_out)
+    if form == "onednn" and not fast_decoder.onednn_packs(torch.float32):
+        pytest.skip("this CPU's oneDNN does not pack fp32 weights")
+    monkeypatch.setattr(fast_decoder, "weight_form", lambda dtype, device, params: form)
     monkeypatch.setattr(kv, "keys_by_row", lambda: by_row)
     model, tokenizer = model_and_tokenizer
     ids, mask = encode_prompts(tokenizer, PROMPTS)
@@ -186,22 +188,77 @@ def test_keys_by_row_only_on_avx512_kernels(monkeypatch):
         assert kv.keys_by_row() is expected, (capability, mkl)
 
 
-def test_weights_are_laid_out_in_out_for_fp32_only():
+def test_weight_form_by_dtype_device_and_cpu(monkeypatch):
     from labkit.fast import decoder as fast_decoder
 
-    assert fast_decoder.in_out_layout(torch.float32)
-    assert not fast_decoder.in_out_layout(torch.bfloat16)
-    assert not fast_decoder.in_out_layout(torch.float16)
+    form, large = fast_decoder.weight_form, fast_decoder.ONEDNN_MIN_PARAMS
+    packs = {torch.float32: True, torch.bfloat16: False}
+    monkeypatch.setattr(fast_decoder, "onednn_packs", lambda dtype: packs.get(dtype, False))
+    assert form(torch.float32, "cpu", large) == "onednn"
+    assert form(torch.float32, "cpu", large - 1) == "in_out"  # a model that fits the caches
+    assert form(torch.bfloat16, "cpu", large) == "out_in"
+    assert form(torch.float32, "cuda", large) == "in_out"  # oneDNN's packing is for CPUs
+    assert form(torch.bfloat16, "cuda", large) == "out_in"
+    packs[torch.float32] = False
+    assert form(torch.float32, torch.device("cpu"), large) == "in_out"
 
 
-def test_bf16_decoder_stays_close_to_the_model(model_and_tokenizer):
+def test_onednn_packs_only_on_x86_with_onednn(monkeypatch):
+    import platform
+
+    from labkit.fast import decoder as fast_decoder
+
+    probe = fast_decoder.onednn_packs.__wrapped__
+    monkeypatch.setattr(platform, "machine", lambda: "arm64")
+    assert not probe(torch.float32)
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+    assert not probe(torch.float32)
+
+
+def test_onednn_rows_do_not_depend_on_the_rows_beside_them():
+    """The packed product of rows alone equals, bit for bit, the same rows' product in a
+    larger batch (a process sampling its share of the rows must get what one process
+    gets), at a decode step's few rows and a prefill's many, for weights of the small
+    bench model's shapes."""
+    from labkit.fast import decoder as fast_decoder
+
+    if not fast_decoder.onednn_packs(torch.float32):
+        pytest.skip("this CPU's oneDNN does not pack fp32 weights")
+    generator = torch.Generator().manual_seed(0)
+    for out, inp in ((1536, 512), (512, 1408), (2816, 512)):
+        linear = torch.nn.Linear(inp, out, bias=False)
+        torch.nn.init.normal_(linear.weight, std=0.02, generator=generator)
+        packed = fast_decoder._pack([linear], torch.float32, "onednn")
+        x = torch.randn(300, inp, generator=generator)
+        whole = fast_decoder._matmul(x, packed, torch.float32)
+        torch.testing.assert_close(whole, x @ linear.weight.t(), atol=1e-4, rtol=1e-4)
+        for rows in (2, 3, 8, 16, 32, 128, 256):
+            part = fast_decoder._matmul(x[:rows].clone(), packed, torch.float32)
+            assert torch.equal(part, whole[:rows]), (out, inp, rows)
+
+
+@pytest.mark.parametrize("form", ["out_in", "onednn"])
+def test_bf16_decoder_stays_close_to_the_model(model_and_tokenizer, form, monkeypatch):
+    """At the prefill and at a decode step, in both of bf16's weight forms."""
+    from labkit.fast import decoder as fast_decoder
+
+    if form == "onednn" and not fast_decoder.onednn_packs(torch.bfloat16):
+        pytest.skip("this CPU's oneDNN does not pack bf16 weights")
+    monkeypatch.setattr(fast_decoder, "weight_form", lambda dtype, device, params: form)
     model, tokenizer = model_and_tokenizer
     ids, mask = encode_prompts(tokenizer, PROMPTS)
     decoder = fast.Decoder(model, torch.bfloat16)
     got = decoder.prefill(ids, mask, 2, 4).log_softmax(-1)
-    want = _hf_logits(model, ids, mask)[:, -1].float().repeat_interleave(2, 0).log_softmax(-1)
-    top = want.argmax(-1, keepdim=True)  # the likeliest token's log-prob, to bf16 accuracy
-    torch.testing.assert_close(got.gather(-1, top), want.gather(-1, top), atol=0.05, rtol=0.05)
+    seq, seq_mask = ids.repeat_interleave(2, 0), mask.repeat_interleave(2, 0)
+    for step in range(2):
+        want = _hf_logits(model, seq, seq_mask)[:, -1].float().log_softmax(-1)
+        top = want.argmax(-1, keepdim=True)  # the likeliest token's log-prob, to bf16 accuracy
+        torch.testing.assert_close(got.gather(-1, top), want.gather(-1, top), atol=0.05,
+                                   rtol=0.05)
+        seq = torch.cat([seq, top], 1)
+        seq_mask = torch.cat([seq_mask, torch.ones_like(top)], 1)
+        got = decoder.step(top[:, 0]).log_softmax(-1)
 
 
 @pytest.mark.parametrize("shared_prefix", [False, True])

@@ -9,8 +9,13 @@ from typing import Any, NamedTuple
 
 from labkit.bench.timing import sync
 
-PRODUCTS = ("mm", "bmm", "addmm", "baddbmm", "addbmm")
-"""The aten matrix products (`F.linear` and `torch.matmul` reach torch's dispatcher as these)."""
+PRODUCTS = ("mm", "bmm", "addmm", "baddbmm", "addbmm", "linear", "matmul")
+"""The aten matrix products. With autograd `F.linear` and `torch.matmul` reach a dispatch
+mode as mm, addmm or bmm; in inference mode (the rollout, the reference's pass) as
+themselves."""
+ONEDNN_PRODUCTS = ("default", "binary")
+"""Overloads of `torch.ops.mkldnn._linear_pointwise`, the product on weights packed by
+oneDNN (`labkit.fast.decoder.weight_form`)."""
 
 
 class Layout(NamedTuple):
@@ -44,8 +49,9 @@ def step_floor(run_step, device, replays: int = 5) -> dict:
     (forward, backward and optimizer, in inference mode or not) and records the inputs'
     layouts (shapes, strides, dtypes) of each matrix product. The products are replayed on
     random inputs of those layouts (one tensor per distinct layout, and for inputs of
-    `DISTINCT_MIN_BYTES` or more one per address they were read from), and as many views as the
-    step had other operations are made by one `unbind`; each figure is the median of
+    `DISTINCT_MIN_BYTES` or more one per address they were read from; a weight packed by
+    oneDNN is replayed itself), and as many views as the step had other operations are
+    made by one `unbind`; each figure is the median of
     `replays` timings. Every operation of the step is counted at no more than its cost, and
     none of the step's Python runs, so the step takes longer than `floor_s` (on CUDA, where
     the host's dispatching overlaps the device's products: than the larger of the two)."""
@@ -63,7 +69,7 @@ def step_floor(run_step, device, replays: int = 5) -> dict:
         probe.unbind()
 
     held = {a.data_ptr(): a.untyped_storage().nbytes() for _, args, _ in replay for a in args
-            if isinstance(a, torch.Tensor)}
+            if isinstance(a, torch.Tensor) and not a.is_mkldnn}
     products_s = median_seconds(products_once, replays)
     others_s = median_seconds(others_once, replays)
     on_cpu = torch.device(device).type == "cpu"
@@ -80,9 +86,14 @@ def record_products(run_step) -> tuple[list, int]:
     from torch.utils._python_dispatch import TorchDispatchMode
 
     products = {getattr(torch.ops.aten, name).default for name in PRODUCTS}
+    if hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+        products |= {getattr(torch.ops.mkldnn._linear_pointwise, name)
+                     for name in ONEDNN_PRODUCTS}
     calls, dispatched = [], [0]
 
     def layout(arg):
+        if isinstance(arg, torch.Tensor) and arg.is_mkldnn:
+            return arg  # a packed weight has no strides to copy: the replay reads it itself
         if isinstance(arg, torch.Tensor):
             large = arg.numel() * arg.element_size() >= DISTINCT_MIN_BYTES
             return Layout(tuple(arg.shape), arg.stride(), arg.dtype, arg.device,

@@ -9,7 +9,10 @@ the whole completion, read by a KV strategy (`labkit.fast.kv`) chosen when the d
 
 from __future__ import annotations
 
+import functools
+import platform
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -59,12 +62,21 @@ def decoder_or(plain: Callable, shared_prefix: bool | None = None,
     return start
 
 
-def _pack(linears, dtype, norm_weight: Tensor | None = None, q_scale: float | None = None):
-    """(W^T, bias) of linears stacked along their outputs, cast to `dtype`, for
-    `mm(x, W^T)`. `norm_weight` (in,) scales W's columns (the RMSNorm before it);
-    `q_scale` scales the first linear's outputs (attention's 1/sqrt(D) on q). Each matrix is
-    scaled in its own dtype and cast before the stacking, so the one full-size copy made
-    is already in `dtype`. W^T is laid out by `in_out_layout`."""
+class Packed(NamedTuple):
+    """A packed product `x @ W^T + bias`: `matrix` is W in the `form` (see `weight_form`)."""
+
+    matrix: Tensor
+    bias: Tensor | None
+    form: str
+
+
+def _pack(linears, dtype, form: str, norm_weight: Tensor | None = None,
+          q_scale: float | None = None) -> Packed:
+    """The linears stacked along their outputs, cast to `dtype`, in `form` (see
+    `weight_form`). `norm_weight` (in,) scales W's columns (the RMSNorm before it); `q_scale` scales
+    the first linear's outputs (attention's 1/sqrt(D) on q). Each matrix is scaled in its
+    own dtype and cast before the stacking, so the one full-size copy made is already in
+    `dtype`."""
     weights, biases = [], []
     for i, m in enumerate(linears):
         w, b = m.weight, m.bias
@@ -76,36 +88,79 @@ def _pack(linears, dtype, norm_weight: Tensor | None = None, q_scale: float | No
         biases.append(b)
     bias = None if biases[0] is None else torch.cat(biases).to(dtype)
     weight = weights[0] if len(weights) == 1 else torch.cat(weights)
-    return (weight.t().contiguous() if in_out_layout(dtype) else weight.contiguous().t()), bias
+    if form == "onednn":
+        return Packed(torch.ops.mkldnn._reorder_linear_weight(weight.contiguous()), bias, form)
+    if form == "in_out":
+        return Packed(weight.t().contiguous(), bias, form)
+    return Packed(weight.contiguous().t(), bias, form)
 
 
-def in_out_layout(dtype) -> bool:
-    """Whether the packed W^T is stored (in, out) in memory, so a product reads it row by
-    row, rather than as a transposed view of the (out, in) matrix. fp32: (in, out). At a
-    decode step's few rows (B*G = 16) MKL's sgemm runs the transposed view 1.4x (AVX2) to
-    5x (AVX-512) slower than the same product on (in, out), and from a few hundred rows both
-    run alike (docs/performance.md). Low precision keeps the transposed view, the layout
-    its figures were measured with. (W @ x^T)^T, the rows as the right operand, ran the
-    small model's rollout 0.92x as long as (in, out) under AVX2 kernels, but there a row's
-    logits changed with the number of rows beside it, and a 2-process PPO run, each process
-    sampling its share of the rows, parted from the 1-process run (tests/test_parallel.py);
-    it is not used."""
-    return dtype == torch.float32
+ONEDNN_MIN_PARAMS = CPU_LOW_PRECISION_MIN_PARAMS
+"""A model's parameters from which a CPU rollout multiplies by oneDNN-packed weights
+(`weight_form`): below it the weights sit in the caches, where MKL's product on a small
+matrix costs less than oneDNN's call (some 15 us more a product, the embedded model's
+rollout 1.5x as long)."""
 
 
-def _matmul(x: Tensor, packed, dtype) -> Tensor:
-    weight_t, bias = packed
+def weight_form(dtype, device, params: int) -> str:
+    """How a rollout holds its packed weights, by dtype, device and the model's parameters:
+
+    - "onednn": on an x86 CPU whose oneDNN packs `dtype` (`onednn_packs`), for a model of
+      `ONEDNN_MIN_PARAMS` or more, the weight in oneDNN's blocked layout, multiplied by
+      `torch.ops.mkldnn._linear_pointwise`. At a decode step's few rows MKL streams weights
+      that do not fit in the caches at about half the memory's speed; oneDNN's packed
+      product ran the small model's rollout 0.86x as long (AVX2 kernels, fp32) and 0.87x
+      (AVX-512 bf16), and a row's result does not change with the number of rows beside it
+      (from 2 rows up), which MKL's does not promise (docs/performance.md).
+    - "in_out": fp32 otherwise, W^T stored (in, out) for `mm(x, W^T)`: at 16 rows MKL runs
+      the transposed view of (out, in) 1.4x (AVX2) to 5x (AVX-512) slower.
+    - "out_in": W^T as a transposed view of the (out, in) matrix (other dtypes)."""
+    if torch.device(device).type == "cpu" and params >= ONEDNN_MIN_PARAMS and \
+            onednn_packs(dtype):
+        return "onednn"
+    return "in_out" if dtype == torch.float32 else "out_in"
+
+
+@functools.cache
+def onednn_packs(dtype) -> bool:
+    """Whether torch's oneDNN packs a `dtype` weight on this CPU and multiplies with it as
+    `mm` does: an x86 CPU with oneDNN, and for bf16 the instructions oneDNN's bf16 packing
+    needs (it refuses without them). Probed once per dtype on a small matrix."""
+    if platform.machine().lower() not in ("x86_64", "amd64") or \
+            not torch.backends.mkldnn.is_available():
+        return False
+    weight = torch.linspace(-1, 1, 48 * 32).view(48, 32).to(dtype)
+    x = torch.linspace(1, -1, 4 * 32).view(4, 32).to(dtype)
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight)
+        out = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    except (RuntimeError, AttributeError):
+        return False
+    want = torch.mm(x.float(), weight.float().t())
+    return bool(torch.allclose(out.float(), want, atol=0.05, rtol=0.02))
+
+
+def _matmul(x: Tensor, packed: Packed, dtype) -> Tensor:
     x = x if x.dtype == dtype else x.to(dtype)
     rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # a decode step's are 2-D
-    out = torch.mm(rows, weight_t) if bias is None else torch.addmm(bias, rows, weight_t)
+    if packed.form == "onednn":
+        out = torch.ops.mkldnn._linear_pointwise(rows, packed.matrix, packed.bias, "none", [],
+                                                 "")
+    elif packed.bias is None:
+        out = torch.mm(rows, packed.matrix)
+    else:
+        out = torch.addmm(packed.bias, rows, packed.matrix)
     return out if x.dim() == 2 else out.view(*x.shape[:-1], out.shape[-1])
 
 
-def _residual(x: Tensor, inp: Tensor, packed, dtype) -> Tensor:
+def _residual(x: Tensor, inp: Tensor, packed: Packed, dtype) -> Tensor:
     """x + inp @ W^T (+ bias): one fused product on a decode step's fp32 rows."""
-    weight_t, bias = packed
-    if x.dim() == 2 and bias is None and weight_t.dtype == x.dtype == inp.dtype:
-        return torch.addmm(x, inp, weight_t)
+    if x.dim() == 2 and packed.matrix.dtype == x.dtype == inp.dtype:
+        if packed.form == "onednn":
+            return torch.ops.mkldnn._linear_pointwise.binary(inp, x, packed.matrix,
+                                                             packed.bias, "add")
+        if packed.bias is None:
+            return torch.addmm(x, inp, packed.matrix)
     return x + _matmul(inp, packed, dtype)
 
 
@@ -114,7 +169,7 @@ class _PackedLayer:
     being folded into the product after it; q, k and v come out of one product."""
 
     @torch.no_grad()
-    def __init__(self, block, dtype, dims: tuple[int, int, int]):
+    def __init__(self, block, dtype, dims: tuple[int, int, int], form: str):
         attn, mlp = block.self_attn, block.mlp
         ln1, ln2 = block.input_layernorm, block.post_attention_layernorm
         self.dtype, (self.H, self.Hkv, self.D) = dtype, dims
@@ -122,10 +177,11 @@ class _PackedLayer:
         has_qk_norm = hasattr(attn, "q_norm")
         self.eps1, self.eps2 = eps_of(ln1), eps_of(ln2)
         # the attention scale is folded into q's rows unless a q norm follows them
-        self.w_qkv = _pack([attn.q_proj, attn.k_proj, attn.v_proj], dtype, ln1.weight,
+        self.w_qkv = _pack([attn.q_proj, attn.k_proj, attn.v_proj], dtype, form, ln1.weight,
                            q_scale=None if has_qk_norm else scale)
-        self.w_o, self.w_down = _pack([attn.o_proj], dtype), _pack([mlp.down_proj], dtype)
-        self.w_gu = _pack([mlp.gate_proj, mlp.up_proj], dtype, ln2.weight)
+        self.w_o = _pack([attn.o_proj], dtype, form)
+        self.w_down = _pack([mlp.down_proj], dtype, form)
+        self.w_gu = _pack([mlp.gate_proj, mlp.up_proj], dtype, form, ln2.weight)
         self.q_norm = self.k_norm = None
         if has_qk_norm:
             self.q_norm = (attn.q_norm.weight.float() * scale, eps_of(attn.q_norm))
@@ -183,9 +239,10 @@ class Decoder:
         self.kv = SharedPrefix() if shared_prefix else FullCache()
         self.H, self.Hkv, self.D = head_dims(base.config)
         self.embed = base.embed_tokens.weight
-        self.head = _pack([model.lm_head], dtype, base.norm.weight)
+        form = weight_form(dtype, self.embed.device, sum(p.numel() for p in model.parameters()))
+        self.head = _pack([model.lm_head], dtype, form, base.norm.weight)
         self.final_eps = eps_of(base.norm)
-        self.layers = [_PackedLayer(block, dtype, (self.H, self.Hkv, self.D))
+        self.layers = [_PackedLayer(block, dtype, (self.H, self.Hkv, self.D), form)
                        for block in base.layers]
 
     def close(self) -> None:
