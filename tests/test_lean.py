@@ -216,6 +216,18 @@ def test_onednn_packs_only_on_x86_with_onednn(monkeypatch):
     assert not probe(torch.float32)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_onednn_probe_answers_the_same_under_autocast(dtype):
+    """The rollout asks inside its autocast region: the probe's own products must not be
+    cast there."""
+    from labkit.fast import decoder as fast_decoder
+
+    probe = fast_decoder.onednn_packs.__wrapped__
+    plain = probe(dtype)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert probe(dtype) == plain
+
+
 def test_onednn_rows_do_not_depend_on_the_rows_beside_them():
     """The packed product of rows alone equals, bit for bit, the same rows' product in a
     larger batch (a process sampling its share of the rows must get what one process

@@ -129,15 +129,16 @@ def onednn_packs(dtype) -> bool:
     if platform.machine().lower() not in ("x86_64", "amd64") or \
             not torch.backends.mkldnn.is_available():
         return False
-    weight = torch.linspace(-1, 1, 48 * 32).view(48, 32).to(dtype)
-    x = torch.linspace(1, -1, 4 * 32).view(4, 32).to(dtype)
-    try:
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight)
-        out = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
-    except (RuntimeError, AttributeError):
-        return False
-    want = torch.mm(x.float(), weight.float().t())
-    return bool(torch.allclose(out.float(), want, atol=0.05, rtol=0.02))
+    with torch.no_grad(), torch.autocast("cpu", enabled=False):  # often asked under autocast
+        weight = torch.linspace(-1, 1, 48 * 32).view(48, 32).to(dtype)
+        x = torch.linspace(1, -1, 4 * 32).view(4, 32).to(dtype)
+        try:
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight)
+            out = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+        except (RuntimeError, AttributeError):
+            return False
+        want = torch.mm(x.float(), weight.float().t())
+        return bool(torch.allclose(out.float(), want, atol=0.05, rtol=0.02))
 
 
 def _matmul(x: Tensor, packed: Packed, dtype) -> Tensor:
