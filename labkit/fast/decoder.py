@@ -3,8 +3,9 @@ models it covers.
 
 The weights are packed once per rollout (q, k, v as one matrix with the attention scale
 folded into q, gate and up as one, each RMSNorm's weight folded into the product after it,
-cast to the dtype the caller picks), and keys and values go into fp32 buffers reserved for
-the whole completion, read by a KV strategy (`labkit.fast.kv`) chosen when the decoder is built.
+cast to the dtype the caller picks, held in the form `weight_form` picks for the machine),
+and keys and values go into fp32 buffers reserved for the whole completion, read by a KV
+strategy (`labkit.fast.kv`) chosen when the decoder is built.
 """
 
 from __future__ import annotations
@@ -73,10 +74,10 @@ class Packed(NamedTuple):
 def _pack(linears, dtype, form: str, norm_weight: Tensor | None = None,
           q_scale: float | None = None) -> Packed:
     """The linears stacked along their outputs, cast to `dtype`, in `form` (see
-    `weight_form`). `norm_weight` (in,) scales W's columns (the RMSNorm before it); `q_scale` scales
-    the first linear's outputs (attention's 1/sqrt(D) on q). Each matrix is scaled in its
-    own dtype and cast before the stacking, so the one full-size copy made is already in
-    `dtype`."""
+    `weight_form`). `norm_weight` (in,) scales W's columns (the RMSNorm before it);
+    `q_scale` scales the first linear's outputs (attention's 1/sqrt(D) on q). Each matrix
+    is scaled in its own dtype and cast before the stacking, so the one full-size copy made
+    is already in `dtype`."""
     weights, biases = [], []
     for i, m in enumerate(linears):
         w, b = m.weight, m.bias
