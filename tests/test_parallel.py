@@ -168,42 +168,45 @@ def test_processes_take_grad_accum_micro_batches_each():
         assert torch.equal(torch.cat(a), torch.cat(b))
 
 
+def _under_a_process_group(body: str, timeout: int) -> subprocess.CompletedProcess:
+    """Run the Python `body` in a fresh interpreter after it joined a 1-process gloo group
+    (`atexit` and `dist` imported); it must exit 0."""
+    script = ("import atexit, torch.distributed as dist\n"
+              "dist.init_process_group('gloo', rank=0, world_size=1)\n" + body)
+    env = {**_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True,
+                          text=True, timeout=timeout, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done
+
+
 def test_the_command_leaves_the_process_group_on_its_way_out(tmp_path):
     """A process group alive at exit leaves gloo's threads to the interpreter's teardown,
     which now and then aborted a finished 2-process run (exit -6): after `labkit train`
     the exit handlers destroy it, before the interpreter begins to finalize."""
     argv = [*RUN, "--steps", "1", "--run-dir", str(tmp_path / "run")]
-    script = ("import atexit, torch.distributed as dist\n"
-              "dist.init_process_group('gloo', rank=0, world_size=1)\n"
-              "from labkit.__main__ import main\n"
-              f"code = main({['train', *argv]!r})\n"
-              "atexit._run_exitfuncs()\n"
-              "print('code', code, 'alive', dist.is_initialized())\n")
-    env = {**_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
-    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True,
-                          text=True, timeout=300, env=env)
-    assert done.returncode == 0, done.stderr[-2000:]
+    done = _under_a_process_group("from labkit.__main__ import main\n"
+                                  f"code = main({['train', *argv]!r})\n"
+                                  "atexit._run_exitfuncs()\n"
+                                  "print('code', code, 'alive', dist.is_initialized())\n",
+                                  timeout=300)
     assert "code 0 alive False" in done.stdout, (done.stdout, done.stderr[-2000:])
 
 
 def test_a_script_leaves_the_process_group_at_exit():
     """A script that builds an accelerator under a process group (as `train` does) has
     `parallel.leave` registered to run at exit, once, while the interpreter is whole."""
-    script = ("import atexit, torch.distributed as dist\n"
-              "dist.init_process_group('gloo', rank=0, world_size=1)\n"
-              "from labkit import parallel\n"
-              "from labkit.config import TrainConfig\n"
-              "from labkit.learner import make_accelerator\n"
-              "calls = []\n"
-              "parallel.leave = lambda real=parallel.leave: (calls.append(1), real())\n"
-              "make_accelerator(TrainConfig()); make_accelerator(TrainConfig())\n"
-              "print('alive before exit', dist.is_initialized())\n"
-              "atexit._run_exitfuncs()\n"
-              "print('alive after exit', dist.is_initialized(), 'calls', len(calls))\n")
-    env = {**_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
-    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True,
-                          text=True, timeout=120, env=env)
-    assert done.returncode == 0, done.stderr[-2000:]
+    done = _under_a_process_group(
+        "from labkit import parallel\n"
+        "from labkit.config import TrainConfig\n"
+        "from labkit.learner import make_accelerator\n"
+        "calls = []\n"
+        "parallel.leave = lambda real=parallel.leave: (calls.append(1), real())\n"
+        "make_accelerator(TrainConfig()); make_accelerator(TrainConfig())\n"
+        "print('alive before exit', dist.is_initialized())\n"
+        "atexit._run_exitfuncs()\n"
+        "print('alive after exit', dist.is_initialized(), 'calls', len(calls))\n",
+        timeout=120)
     assert "alive before exit True" in done.stdout, done.stdout
     assert "alive after exit False calls 1" in done.stdout, (done.stdout, done.stderr[-2000:])
 
