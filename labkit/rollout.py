@@ -76,8 +76,9 @@ def eos_ids(model, tokenizer) -> list[int]:
     return sorted(ids)
 
 
-def encode_prompts(tokenizer, prompts: Sequence[str], device=None):
-    """Left-padded `(ids, mask)`, each (B, P), after the chat template when there is one."""
+def encode_prompts(tokenizer, prompts: Sequence[str], device=None, width: int | None = None):
+    """Left-padded `(ids, mask)`, each (B, P), after the chat template when there is one; P
+    is the longest prompt's length, or `width` when given (at least the longest's)."""
     if not prompts:
         raise ValueError("prompts is empty: give at least one prompt")
     if not all(isinstance(p, str) for p in prompts):
@@ -89,7 +90,16 @@ def encode_prompts(tokenizer, prompts: Sequence[str], device=None):
                         padding=True, add_special_tokens=not templated)
     finally:
         tokenizer.padding_side = side
-    return enc["input_ids"].to(device), enc["attention_mask"].to(device)
+    ids, mask = enc["input_ids"], enc["attention_mask"]
+    if width is not None:
+        if width < ids.shape[1]:
+            raise ValueError(f"width={width} is shorter than the longest prompt "
+                             f"({ids.shape[1]} tokens): give at least that")
+        extra = (width - ids.shape[1], 0)
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        ids = torch.nn.functional.pad(ids, extra, value=pad)
+        mask = torch.nn.functional.pad(mask, extra, value=0)
+    return ids.to(device), mask.to(device)
 
 
 def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
@@ -212,8 +222,8 @@ bf16 under the autocast the caller opens."""
 def rollout(model, tokenizer, prompts: Sequence[str], *, group_size: int,
             max_new_tokens: int = 16, temperature: float = 1.0, top_k: int = 0,
             top_p: float = 1.0, greedy: bool = False, seed: int | None = None,
-            decoder: Callable = fast_decoder,
-            shard: tuple[int, int] | None = None) -> RolloutBatch:
+            decoder: Callable = fast_decoder, shard: tuple[int, int] | None = None,
+            prompt_width: int | None = None) -> RolloutBatch:
     """Sample `group_size` completions for each prompt.
 
     Each prompt is prefilled once; its KV cache is repeated G times and the N rows decode
@@ -227,6 +237,9 @@ def rollout(model, tokenizer, prompts: Sequence[str], *, group_size: int,
     `shard` = (first, total): these prompts are prompts first.. of a batch of `total` (one
     process's share, `labkit.parallel`); each decode step draws the whole batch's uniforms
     and keeps these rows', so the share's samples are the whole rollout's rows for them.
+    `prompt_width` left-pads the prompts to that many tokens (default: the longest's): a
+    share padded to the whole batch's width gives each row the shapes and positions it has
+    in the whole rollout, so no kernel sees a row otherwise than one process would.
     """
     _check(group_size, max_new_tokens, temperature, top_k, top_p, greedy)
     if shard is not None and (seed is None or not 0 <= shard[0] <= shard[1] - len(prompts)):
@@ -239,7 +252,7 @@ def rollout(model, tokenizer, prompts: Sequence[str], *, group_size: int,
     generator = None
     if seed is not None:
         generator = torch.Generator(device=device).manual_seed(seed)
-    prompt_ids, prompt_mask = encode_prompts(tokenizer, prompts, device)
+    prompt_ids, prompt_mask = encode_prompts(tokenizer, prompts, device, prompt_width)
     engine = decoder(model, prompt_ids, group_size)
     stop_ids = torch.tensor(stop, device=device)
 

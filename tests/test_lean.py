@@ -143,20 +143,21 @@ def test_bf16_autocast_log_probs_stay_close_to_the_model_under_autocast(model_an
     assert ours_err < 0.05 and ours_err < 3 * theirs_err + 1e-3
 
 
-@pytest.mark.parametrize("by_row", [False, True])
+@pytest.mark.parametrize("attention", ["by_column", "by_row", "flash"])
 @pytest.mark.parametrize("form", ["onednn", "in_out", "out_in"])
 @pytest.mark.parametrize("shared_prefix", [False, True])
 def test_decoder_logits_match_the_model_at_every_step(model_and_tokenizer, shared_prefix,
-                                                      form, by_row, monkeypatch):
-    """Every weight form, KV strategy and key layout (`weight_form` and `keys_by_row` pick
-    them by the CPU)."""
+                                                      form, attention, monkeypatch):
+    """Every weight form, KV strategy, key layout and decode attention (`weight_form`,
+    `keys_by_row` and `flash_decode` pick them by the CPU)."""
     from labkit.fast import decoder as fast_decoder
     from labkit.fast import kv
 
     if form == "onednn" and not fast_decoder.onednn_packs(torch.float32):
         pytest.skip("this CPU's oneDNN does not pack fp32 weights")
     monkeypatch.setattr(fast_decoder, "weight_form", lambda dtype, device, params: form)
-    monkeypatch.setattr(kv, "keys_by_row", lambda: by_row)
+    monkeypatch.setattr(kv, "keys_by_row", lambda: attention == "by_row")
+    monkeypatch.setattr(kv, "flash_decode", lambda device: attention == "flash")
     model, tokenizer = model_and_tokenizer
     ids, mask = encode_prompts(tokenizer, PROMPTS)
     G, T = 3, 6
@@ -174,18 +175,20 @@ def test_decoder_logits_match_the_model_at_every_step(model_and_tokenizer, share
             logits = decoder.step(token)
 
 
-def test_keys_by_row_only_on_avx512_kernels(monkeypatch):
+def test_keys_by_row_and_flash_decode_by_cpu_kernels(monkeypatch):
     from labkit.fast import kv
 
-    for capability, mkl, expected in (("AVX512", None, True), ("AVX512", "AVX512_E1", True),
-                                      ("AVX512", "AVX2", False), ("AVX2", None, False),
-                                      ("DEFAULT", None, False)):
+    for capability, mkl, by_row in (("AVX512", None, True), ("AVX512", "AVX512_E1", True),
+                                    ("AVX512", "AVX2", False), ("AVX2", None, False),
+                                    ("DEFAULT", None, False)):
         monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda c=capability: c)
         if mkl is None:
             monkeypatch.delenv("MKL_ENABLE_INSTRUCTIONS", raising=False)
         else:
             monkeypatch.setenv("MKL_ENABLE_INSTRUCTIONS", mkl)
-        assert kv.keys_by_row() is expected, (capability, mkl)
+        assert kv.keys_by_row() is by_row, (capability, mkl)
+        assert kv.flash_decode("cpu") is not by_row, (capability, mkl)
+        assert kv.flash_decode("cuda") is False  # a kernel for CPUs
 
 
 def test_weight_form_by_dtype_device_and_cpu(monkeypatch):

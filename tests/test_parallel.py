@@ -110,6 +110,42 @@ def test_a_shares_rollout_is_the_whole_rollouts_rows(tiny):
     assert alone.texts != whole.texts[2 * G:4 * G]
 
 
+@pytest.mark.parametrize("flash", [None, True])
+def test_a_share_padded_to_the_whole_width_decodes_its_rows_bit_for_bit(tiny, flash,
+                                                                        monkeypatch):
+    """With products whose rows do not depend on the rows beside them (oneDNN's), a share
+    of prompts of other lengths, padded to the whole batch's width, gives its rows the very
+    bits of the whole rollout through the shared-prefix decoder: the attention of the
+    machine's choice (None) and the flash kernel."""
+    from labkit import fast
+    from labkit.fast import decoder as fast_decoder
+    from labkit.fast import kv
+    from labkit.rollout import encode_prompts, model_decoder
+
+    if not fast_decoder.onednn_packs(torch.float32):
+        pytest.skip("needs oneDNN's fp32 packing (an x86 CPU)")
+    monkeypatch.setattr(fast_decoder, "ONEDNN_MIN_PARAMS", 0)
+    if flash is not None:
+        monkeypatch.setattr(kv, "flash_decode", lambda device: flash)
+    model, tokenizer = tiny
+    prompts = ["Is 9 odd?", "What is 17 - 4 times 2, then plus 30?", "What is 3 * 3?",
+               "What is 2 + 3 + 4 + 5 + 6?"]
+    G = 3
+    settings = dict(group_size=G, max_new_tokens=8, seed=3,
+                    decoder=fast.decoder_or(model_decoder, shared_prefix=True))
+    whole = rollout(model, tokenizer, prompts, **settings)
+    width = whole.prompt_ids.shape[1]
+    for first, stop in ((0, 1), (2, 4), (0, 3)):
+        share = prompts[first:stop]
+        assert encode_prompts(tokenizer, share)[0].shape[1] < width or stop - first == 3
+        part = rollout(model, tokenizer, share, shard=(first, len(prompts)),
+                       prompt_width=width, **settings)
+        rows, t = slice(first * G, stop * G), part.completion_ids.shape[1]
+        assert torch.equal(part.prompt_ids, whole.prompt_ids[first:stop])
+        assert torch.equal(part.completion_ids, whole.completion_ids[rows, :t])
+        assert torch.equal(part.old_logprobs, whole.old_logprobs[rows, :t])
+
+
 def test_a_shard_needs_a_seed_and_must_hold_its_prompts(tiny):
     model, tokenizer = tiny
     with pytest.raises(ValueError, match="shard"):

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from labkit.rollout import filter_logits, rollout
+from labkit.rollout import encode_prompts, filter_logits, rollout
 
 PROMPTS = ["1+2=", "37+85=", "9+90=", "12+34+56="]  # different lengths: left padding matters
 
@@ -248,3 +248,15 @@ def test_reserved_cache_gives_the_same_rollout_as_the_growing_cache(tiny, attent
     # keys by column change the order of the products' sums (AVX-512 kernels differ from
     # AVX2 ones there): the log-probs agree to fp32 rounding of a few sums, not bit for bit
     torch.testing.assert_close(fast.old_logprobs, plain.old_logprobs, atol=1e-5, rtol=1e-5)
+
+
+def test_encode_prompts_pads_to_a_given_width_and_refuses_a_narrower_one(tiny):
+    _, tokenizer = tiny
+    prompts = ["Is 9 odd?", "What is 17 - 4 times 2?"]
+    ids, mask = encode_prompts(tokenizer, prompts)
+    wide_ids, wide_mask = encode_prompts(tokenizer, prompts, width=ids.shape[1] + 3)
+    assert wide_ids.shape == (2, ids.shape[1] + 3)
+    assert torch.equal(wide_ids[:, 3:], ids) and torch.equal(wide_mask[:, 3:], mask)
+    assert not wide_mask[:, :3].any()  # the extra width is padding on the left
+    with pytest.raises(ValueError, match="width=.*longest prompt"):
+        encode_prompts(tokenizer, prompts, width=ids.shape[1] - 1)

@@ -1,17 +1,26 @@
 """How a rollout's decode step reads the KV cache: one object, chosen when the decoder is built.
 
 Shapes: B prompts, G rows per prompt, N = B*G rows, P prompt positions (left-padded), T
-completion positions, Hkv key/value heads of `rep` query heads each, D head size. A
-shared prompt's keys are kept by column (D, position) so that q @ K reads them in place.
-Both strategies keep fp32 buffers reserved for the whole completion and write each step's
-keys and values in place.
-The completion's keys are kept by row (position, D) where MKL runs AVX-512 kernels
+completion positions, Hkv key/value heads of `rep` query heads each, D head size. Both
+strategies keep fp32 buffers reserved for the whole completion and write each step's keys
+and values in place. Either way a key buffer is indexed (.., position, D).
+
+`FullCache` keeps the completion's keys by row (position, D) where MKL runs AVX-512 kernels
 (`keys_by_row`): a step's key write is then one contiguous run per row and head, not a
 strided scatter, and the scores read the keys transposed (the small model's rollout
 0.91-0.96x as long, A/B in one process). Under MKL's AVX2 kernels the scores of keys read
 that way changed with the number of rows, and a 2-process run parted from the 1-process
-one (tests/test_parallel.py): there they stay by column. Either way the buffer is indexed
-(.., position, D); by column it is a transposed view of (.., D, position) storage.
+one (tests/test_parallel.py): there they stay by column, a transposed view of
+(.., D, position) storage.
+
+`SharedPrefix` keeps the completion's keys by row, and where MKL's kernels are not AVX-512
+(`flash_decode`) attends through torch's flash-attention kernel for CPUs
+(`_scaled_dot_product_flash_attention_for_cpu`): the shared prompt and the row's own
+completion are two calls, merged by their log-sum-exps. Each row and head is its own block
+there, so a row's result does not depend on the number of rows beside it. Under AVX2
+kernels a layer's attention at a decode step took 0.63x as long as the batched products
+over keys by column; with AVX-512 kernels the batched products over keys by row took
+0.93x as long as the flash kernel (the small model's shapes, docs/performance.md).
 """
 
 from __future__ import annotations
@@ -39,6 +48,23 @@ def _keys(k: Tensor, N: int, Hkv: int, S: int, D: int) -> Tensor:
     if keys_by_row():
         return k.new_empty(N, Hkv, S, D)
     return k.new_empty(N, Hkv, D, S).transpose(2, 3)
+
+
+def flash_decode(device) -> bool:
+    """Whether `SharedPrefix` attends through the flash kernel for CPUs on `device`: on a
+    CPU where MKL does not run AVX-512 kernels (`keys_by_row` is False)."""
+    return torch.device(device).type == "cpu" and not keys_by_row()
+
+
+def _flash(q: Tensor, keys: Tensor, values: Tensor, bias: Tensor | None = None
+           ) -> tuple[Tensor, Tensor]:
+    """Attention of q (n, Hkv, L, D) over keys and values (n, Hkv, S, D), the scale already
+    in q, with an additive bias broadcast to (n, Hkv, L, S): the output (n, Hkv, L, D) and
+    the log-sum-exp of each query's scores (n, Hkv, L)."""
+    if bias is not None:
+        bias = bias.expand(*q.shape[:-1], keys.shape[2])
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, keys, values,
+                                                                      attn_mask=bias, scale=1.0)
 
 
 class FullCache:
@@ -92,14 +118,16 @@ class SharedPrefix:
         """Before the prefill: the (B, P) prompt mask, G and T."""
         self.G, self.P, self.T, self.layers, self.prompt = \
             group_size, prompt_mask.shape[1], max_new_tokens, [], []
+        self.flash = flash_decode(prompt_mask.device)
         self.prompt_bias = _prompt_bias(prompt_mask)  # (B, 1, 1, P)
 
     def store_prompt(self, k: Tensor, v: Tensor) -> None:
         """The next layer's prompt keys and values (B, Hkv, P, D), fp32."""
-        # the prompt once per group: keys by column (D, P) for q @ K, values (P, D)
-        self.prompt.append((k.transpose(2, 3).contiguous(), v.contiguous()))
+        # the prompt once per group; for the batched products its keys by column (D, P)
+        self.prompt.append((k.contiguous() if self.flash else k.transpose(2, 3).contiguous(),
+                            v.contiguous()))
         N, Hkv, D = k.shape[0] * self.G, k.shape[1], k.shape[3]
-        self.layers.append((_keys(k, N, Hkv, self.T, D), k.new_empty(N, Hkv, self.T, D)))
+        self.layers.append((k.new_empty(N, Hkv, self.T, D), k.new_empty(N, Hkv, self.T, D)))
 
     def attend(self, i: int, t: int) -> Attend:
         """Layer i's attention at completion step t: q (N, H, D), k, v (N, Hkv, D)."""
@@ -113,9 +141,12 @@ class SharedPrefix:
             keys[:, :, t] = k
             values[:, :, t] = v
             q = q.reshape(N, Hkv, rep, D)
-            own = torch.matmul(q, keys[:, :, :t + 1].transpose(2, 3))  # (N, Hkv, rep, t + 1)
             # the G rows' queries of a prompt against its keys: one (G*rep, P) block
             qg = q.view(B, G, Hkv, rep, D).transpose(1, 2).reshape(B, Hkv, G * rep, D)
+            if self.flash:
+                return self._flash(q, qg, keys[:, :, :t + 1], values[:, :, :t + 1], prompt_k,
+                                   prompt_v).reshape(N, H * D)
+            own = torch.matmul(q, keys[:, :, :t + 1].transpose(2, 3))  # (N, Hkv, rep, t + 1)
             shared = torch.matmul(qg, prompt_k).add_(self.prompt_bias)  # (B, Hkv, G*rep, P)
             shared = shared.view(B, Hkv, G, rep, P).transpose(1, 2).reshape(N, Hkv, rep, P)
             probs = torch.cat([shared, own], dim=-1).softmax(-1)
@@ -126,6 +157,22 @@ class SharedPrefix:
             o = o.add_(torch.matmul(probs[..., P:], values[:, :, :t + 1]))
             return o.reshape(N, H * D)
         return attend
+
+    def _flash(self, q: Tensor, qg: Tensor, keys: Tensor, values: Tensor, prompt_k: Tensor,
+               prompt_v: Tensor) -> Tensor:
+        """The two parts through the flash kernel, the prompt's (qg by group) and the rows'
+        own, each weighted by its share of the whole softmax: a softmax over the pair of
+        their log-sum-exps. That softmax runs row by row, so a row's weights do not depend
+        on how many rows there are (an elementwise exp over the batch would compute the
+        last few elements apart from the vectorised rest)."""
+        N, Hkv, rep, D = q.shape
+        B = qg.shape[0]
+        own, own_lse = _flash(q, keys, values)  # (N, Hkv, rep, D), (N, Hkv, rep)
+        shared, shared_lse = _flash(qg, prompt_k, prompt_v, self.prompt_bias)
+        shared = shared.view(B, Hkv, self.G, rep, D).transpose(1, 2).reshape(N, Hkv, rep, D)
+        shared_lse = shared_lse.view(B, Hkv, self.G, rep).transpose(1, 2).reshape(N, Hkv, rep)
+        weights = torch.stack([own_lse, shared_lse], dim=-1).softmax(-1)  # (N, Hkv, rep, 2)
+        return own * weights[..., :1] + shared * weights[..., 1:]
 
     def close(self) -> None:
         self.layers, self.prompt = [], []
