@@ -161,12 +161,15 @@ def test_the_step_floor_sees_the_backward_and_replays_expanded_inputs():
 
 def test_the_step_floor_counts_products_made_in_inference_mode():
     """In inference mode F.linear and torch.matmul reach a dispatch mode undecomposed (as
-    in the rollout and the reference's pass): they are products, replayed as such; so is
-    the product on a weight packed by oneDNN, replayed on that weight."""
+    in the rollout and the reference's pass): they are products, replayed as such; so are
+    the decoder's flash attention (its two products and the softmax between them are one
+    kernel) and the product on a weight packed by oneDNN, replayed on that weight."""
     from labkit.bench import floor
     from labkit.fast import decoder as fast_decoder
+    from labkit.fast import kv
 
     x, w, v = torch.randn(4, 64), torch.randn(32, 64), torch.randn(64, 8)
+    q, keys = torch.randn(4, 2, 1, 16), torch.randn(4, 2, 10, 16)
     linear = torch.nn.Linear(64, 32, bias=False)
     form = "onednn" if fast_decoder.onednn_packs(torch.float32) else "in_out"
     packed = fast_decoder._pack([linear], torch.float32, form)
@@ -175,18 +178,20 @@ def test_the_step_floor_counts_products_made_in_inference_mode():
         with torch.inference_mode():
             torch.nn.functional.linear(x, w)
             torch.matmul(x, v)
+            kv._flash(q, keys, keys, torch.zeros(4, 1, 1, 10))
             fast_decoder._matmul(x, packed, torch.float32)
             x.relu()
 
     calls, dispatched = floor.record_products(step)
     names = [str(func) for func, _, _ in calls]
-    assert names[:2] == ["aten.linear.default", "aten.matmul.default"]
+    assert names[:3] == ["aten.linear.default", "aten.matmul.default",
+                         "aten._scaled_dot_product_flash_attention_for_cpu.default"]
     if packed.form == "onednn":
-        assert names[2:] == ["mkldnn._linear_pointwise.default"]
-        replayed = floor.replay_inputs(calls)[2][1]
+        assert names[3:] == ["mkldnn._linear_pointwise.default"]
+        replayed = floor.replay_inputs(calls)[3][1]
         assert replayed[1] is packed.matrix
     result = step_floor(step, "cpu", replays=2)
-    assert result["floor_products"] == len(calls) == 2 + (packed.form == "onednn")
+    assert result["floor_products"] == len(calls) == 3 + (packed.form == "onednn")
     assert result["floor_ops"] > result["floor_products"]
 
 

@@ -9,10 +9,14 @@ from typing import Any, NamedTuple
 
 from labkit.bench.timing import sync
 
-PRODUCTS = ("mm", "bmm", "addmm", "baddbmm", "addbmm", "linear", "matmul")
+PRODUCTS = ("mm", "bmm", "addmm", "baddbmm", "addbmm", "linear", "matmul",
+            "_scaled_dot_product_flash_attention_for_cpu")
 """The aten matrix products. With autograd `F.linear` and `torch.matmul` reach a dispatch
 mode as mm, addmm or bmm; in inference mode (the rollout, the reference's pass) as
-themselves."""
+themselves. The flash-attention kernel for CPUs (the decoder's attention on some CPUs,
+`labkit.fast.kv.flash_decode`) counts whole: its two products and the softmax between them
+are one kernel, which the batched products it replaces counted as two products and a few
+other operations."""
 ONEDNN_PRODUCTS = ("default", "binary")
 """Overloads of `torch.ops.mkldnn._linear_pointwise`, the product on weights packed by
 oneDNN (`labkit.fast.decoder.weight_form`)."""
