@@ -58,6 +58,25 @@ def test_select_rows_gradient_of_whole_groups_adds_in_index_order(G):
         torch.set_num_threads(threads)
 
 
+def test_select_rows_gradient_of_a_strided_upstream_adds_in_index_order():
+    """A KV cache's rows joined to new keys (`torch.cat` along positions), as the update's
+    shared prompt is: the gradient that reaches `select_rows` is a strided slice, and it is
+    still the serial add in index order, bit for bit."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 3, 6, 4, generator=g)
+    index = torch.tensor([1, 0, 0, 1, 1, 0, 1, 0])
+    new = torch.randn(8, 3, 5, 4, generator=g)
+    upstream = torch.randn(8, 3, 11, 4, generator=g)
+    leaf = x.clone().requires_grad_(True)
+    joined = torch.cat([select_rows(leaf, index), new], dim=2)
+    joined.backward(upstream)
+    expected = torch.zeros(2, 3, 6, 4)
+    for j, row in enumerate(index.tolist()):
+        expected[row] = expected[row] + upstream[j, :, :6]
+    assert not upstream[:, :, :6].is_contiguous()
+    assert torch.equal(leaf.grad.view(torch.int32), expected.view(torch.int32))
+
+
 def _metrics(run_dir):
     return [{k: v for k, v in r.items() if not k.startswith("perf/")}
             for r in read_metrics(run_dir / "metrics.jsonl")]
