@@ -245,6 +245,10 @@ def rollout(model, tokenizer, prompts: Sequence[str], *, group_size: int,
     if shard is not None and (seed is None or not 0 <= shard[0] <= shard[1] - len(prompts)):
         raise ValueError(f"shard={shard} needs a seed and must hold the {len(prompts)} "
                          "prompts: (first, total) with first + len(prompts) <= total")
+    if prompt_width is not None and (isinstance(prompt_width, bool)
+                                     or not isinstance(prompt_width, int) or prompt_width < 1):
+        raise ValueError(f"prompt_width={prompt_width!r} must be a positive number of tokens "
+                         "(or None: the longest prompt's)")
     rows = None if shard is None else (shard[0] * group_size, shard[1] * group_size)
     device = next(model.parameters()).device
     stop = eos_ids(model, tokenizer)

@@ -260,3 +260,20 @@ def test_encode_prompts_pads_to_a_given_width_and_refuses_a_narrower_one(tiny):
     assert not wide_mask[:, :3].any()  # the extra width is padding on the left
     with pytest.raises(ValueError, match="width=.*longest prompt"):
         encode_prompts(tokenizer, prompts, width=ids.shape[1] - 1)
+
+
+def test_a_rollout_pads_its_prompts_to_prompt_width_and_checks_it(tiny):
+    model, tokenizer = tiny
+    prompts = ["Is 9 odd?", "What is 17 - 4 times 2?"]
+    settings = dict(group_size=2, max_new_tokens=4, seed=0)
+    plain = rollout(model, tokenizer, prompts, **settings)
+    width = plain.prompt_ids.shape[1] + 2
+    wide = rollout(model, tokenizer, prompts, prompt_width=width, **settings)
+    assert wide.prompt_ids.shape[1] == width and not wide.prompt_mask[:, :2].any()
+    assert wide.texts == plain.texts  # padding is invisible to the completions
+    for bad in (0, -3, 2.5, True, "8"):
+        with pytest.raises(ValueError, match="prompt_width"):
+            rollout(model, tokenizer, prompts, prompt_width=bad, **settings)
+    with pytest.raises(ValueError, match="width=.*longest prompt"):
+        rollout(model, tokenizer, prompts, prompt_width=plain.prompt_ids.shape[1] - 1,
+                **settings)
