@@ -5,7 +5,8 @@ policy and runs the same step:
 
 1. it samples the completions of its share of the B prompts (a contiguous block of B / P
    prompts, so a group never splits), drawing the very random numbers a one-process
-   rollout would draw for those rows (`rollout(..., shard=...)`);
+   rollout would draw for those rows (`rollout(..., shard=...)`), its prompts padded to the
+   whole batch's width (`rollout_share`);
 2. the shares are gathered, so every process holds the whole batch, and scores every
    reward and advantage of it alike: batch statistics (whitening, the std of the batch,
    dynamic sampling) are those of the whole batch;
@@ -33,7 +34,7 @@ from dataclasses import replace
 import torch
 from torch import Tensor
 
-from labkit.rollout import RolloutBatch
+from labkit.rollout import RolloutBatch, encode_prompts
 
 
 def size(accelerator) -> int:
@@ -84,6 +85,18 @@ def prompt_share(prompts: int, accelerator) -> tuple[int, int]:
     per = prompts // size(accelerator)
     first = rank(accelerator) * per
     return first, first + per
+
+
+def rollout_share(prompts: list[str], tokenizer, accelerator) -> tuple[list[str], dict]:
+    """This process's prompts and the `rollout` keywords that make its rows the whole
+    rollout's: on one process every prompt and {}; on several its share (`prompt_share`),
+    `shard`, and `prompt_width`, the whole batch's width, so that a row sits at the
+    positions it has in one process (kernels sum along a row from its left)."""
+    if size(accelerator) == 1:
+        return list(prompts), {}
+    first, stop = prompt_share(len(prompts), accelerator)
+    width = encode_prompts(tokenizer, prompts)[0].shape[1]
+    return list(prompts[first:stop]), {"shard": (first, len(prompts)), "prompt_width": width}
 
 
 def own_rows(rows: int, accelerator, device=None) -> Tensor:

@@ -95,9 +95,8 @@ def encode_prompts(tokenizer, prompts: Sequence[str], device=None, width: int | 
         if width < ids.shape[1]:
             raise ValueError(f"width={width} is shorter than the longest prompt "
                              f"({ids.shape[1]} tokens): give at least that")
-        extra = (width - ids.shape[1], 0)
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        ids = torch.nn.functional.pad(ids, extra, value=pad)
+        extra = (width - ids.shape[1], 0)  # padding=True above needs a pad token
+        ids = torch.nn.functional.pad(ids, extra, value=tokenizer.pad_token_id)
         mask = torch.nn.functional.pad(mask, extra, value=0)
     return ids.to(device), mask.to(device)
 

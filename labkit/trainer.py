@@ -36,7 +36,7 @@ from labkit.learner import (build_learner, learner_state, machine, make_accelera
 from labkit.lora import save_final
 from labkit.reproducible import set_threads
 from labkit.rewards import RewardError, overlong_penalty
-from labkit.rollout import RolloutBatch, encode_prompts, rollout
+from labkit.rollout import RolloutBatch, rollout
 from labkit.tasks import Problem, ProblemSource
 from labkit.trackers import Trackers
 
@@ -169,20 +169,15 @@ def _one_step(config, learner, tokenizer, problems, step: int, step_seed: int,
     region = torch.autocast(device.type, dtype=torch.bfloat16) if bf16_sampler \
         else learner.accelerator.autocast()
     # several processes: each samples its share of the prompts; every one gets the whole
-    first, stop = parallel.prompt_share(len(problems), learner.accelerator)
-    shard = width = None
-    if parallel.size(learner.accelerator) > 1:
-        shard = (first, len(problems))
-        # each share padded to the whole batch's prompt width: a row's numbers then do not
-        # depend on which prompts share its process (kernels sum in lanes from the left)
-        width = encode_prompts(tokenizer, [p.prompt for p in problems])[0].shape[1]
+    share, keywords = parallel.rollout_share([p.prompt for p in problems], tokenizer,
+                                             learner.accelerator)
     with region:
-        batch = rollout(policy, tokenizer, [p.prompt for p in problems[first:stop]],
+        batch = rollout(policy, tokenizer, share,
                         group_size=config.group_size, max_new_tokens=config.max_new_tokens,
                         temperature=config.sampler_temperature or config.temperature,
                         top_k=config.top_k, top_p=config.top_p, seed=step_seed,
                         decoder=learner.passes.bf16_decoder if bf16_sampler
-                        else learner.passes.decoder, shard=shard, prompt_width=width)
+                        else learner.passes.decoder, **keywords)
     batch = parallel.gather_batch(batch, learner.accelerator, tokenizer.pad_token_id)
     rows = [p for p in problems for _ in range(config.group_size)]  # (N,)
     rewards = torch.tensor(reward_specs.score(config.reward, rows, batch.texts, step_seed),

@@ -158,6 +158,22 @@ class _Processes(SimpleNamespace):
     """The two attributes of an accelerator that labkit.parallel reads."""
 
 
+def test_a_rollout_share_is_the_process_block_padded_to_the_whole_width(tiny):
+    _, tokenizer = tiny
+    prompts = ["Is 9 odd?", "What is 17 - 4 times 2, then plus 30?", "What is 3 * 3?",
+               "What is 2 + 3?"]
+    assert parallel.rollout_share(prompts, tokenizer, _Processes(num_processes=1,
+                                                                 process_index=0)) \
+        == (prompts, {})
+    from labkit.rollout import encode_prompts
+
+    width = encode_prompts(tokenizer, prompts)[0].shape[1]
+    share, keywords = parallel.rollout_share(prompts, tokenizer,
+                                             _Processes(num_processes=2, process_index=1))
+    assert share == prompts[2:] and keywords == {"shard": (2, 4), "prompt_width": width}
+    assert encode_prompts(tokenizer, share)[0].shape[1] < width  # its own would be narrower
+
+
 def test_prompt_shares_cover_the_batch_in_order():
     shares = [parallel.prompt_share(8, _Processes(num_processes=4, process_index=r))
               for r in range(4)]
