@@ -326,6 +326,10 @@ def test_unsupported_models_are_named_and_fall_back(tiny):
     assert "forward hooks" in fast.unsupported(probe)
     hook.remove()
     assert fast.unsupported(probe) is None
+    probe.model.layers[0].mlp._hf_hook = object()  # accelerate's offloading sets one
+    assert "forward hooks" in fast.unsupported(probe)
+    del probe.model.layers[0].mlp._hf_hook
+    assert fast.unsupported(probe) is None
     probe.lm_head.forward = lambda h: h
     assert "forward was replaced" in fast.unsupported(probe)
 
@@ -491,3 +495,22 @@ def test_the_config_chooses_the_passes_once_for_the_learner(use_fast):
     want = FAST_PASSES if use_fast else MODEL_PASSES
     assert learner.passes is want
     assert learner.accelerator.unwrap_model(learner.critic).hidden is want.hidden
+
+
+@pytest.mark.parametrize("D", [32, 64, 128])
+def test_rope_with_scaled_tables_is_the_rotation_scaled(D):
+    """q rotated by `scaled_tables` is HF's rotation (q cos + rotate_half(q) sin) times
+    1/sqrt(D): bit for bit where the scale is a power of two (D = 64), to rounding else."""
+    from labkit.fast.layer import rope, scaled_tables
+
+    gen = torch.Generator().manual_seed(D)
+    q = torch.randn(3, 5, 4, D, generator=gen)
+    angle = torch.rand(3, 5, 1, D // 2, generator=gen) * 6.0
+    cos, sin = torch.cat([angle.cos()] * 2, -1), torch.cat([angle.sin()] * 2, -1)
+    rotate_half = torch.cat([-q[..., D // 2:], q[..., :D // 2]], dim=-1)
+    want = (q * cos + rotate_half * sin) * D ** -0.5
+    signed = torch.cat([-sin[..., :D // 2], sin[..., D // 2:]], dim=-1)  # as rope_tables
+    got = rope(q, *scaled_tables(cos, signed, D))
+    if D == 64:
+        assert torch.equal(got, rope(q, cos, signed) * D ** -0.5)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)

@@ -33,11 +33,13 @@ class LayerOps(Protocol):
 Attend = Callable[[Tensor, Tensor, Tensor], Tensor]
 
 
-def layer(x: Tensor, ops: LayerOps, attend: Attend, cos: Tensor, sin: Tensor) -> Tensor:
-    """The residual stream x (.., hidden) after one decoder layer (fp32 in and out)."""
+def layer(x: Tensor, ops: LayerOps, attend: Attend, cos: Tensor, sin: Tensor,
+          q_tables: tuple[Tensor, Tensor] | None = None) -> Tensor:
+    """The residual stream x (.., hidden) after one decoder layer (fp32 in and out).
+    `q_tables` (cos, sin) rotate q where they differ from k's (`scaled_tables`)."""
     q, k, v = ops.qkv(ops.norm1(x))  # q (.., H, D), k and v (.., Hkv, D)
     q, k = ops.qk_norm(q, k)
-    q, k = rope(q, cos, sin), rope(k, cos, sin)
+    q, k = rope(q, *(q_tables or (cos, sin))), rope(k, cos, sin)
     x = ops.residual_o(x, attend(q, k, v))
     gate, up = ops.gate_up(ops.norm2(x))
     return ops.residual_down(x, F.silu(gate) * up)
@@ -62,6 +64,15 @@ def rope_tables(base, positions: Tensor, dtype) -> tuple[Tensor, Tensor]:
     half = sin.shape[-1] // 2
     sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
     return cos.to(dtype), sin.to(dtype)
+
+
+def scaled_tables(cos: Tensor, sin: Tensor, D: int) -> tuple[Tensor, Tensor]:
+    """RoPE tables that also apply attention's 1/sqrt(D) to q: rotation is linear, so q
+    rotated by them is the rotated q scaled, and the scores need no pass of their own for
+    the scale (a score tensor is (S / D) times q's size). For D a power of 4 (64, 256) the
+    scale is a power of two and every bit is as with the scores scaled."""
+    scale = D ** -0.5
+    return cos * scale, sin * scale
 
 
 def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

@@ -36,11 +36,17 @@ def _config_reason(model) -> str | None:
         return "sliding-window attention layers"
     if kind == "mistral" and getattr(config, "sliding_window", None) is not None:
         return "sliding-window attention"
-    flag = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") \
-        else "is_gradient_checkpointing"
-    if getattr(model, flag, False):
-        return "gradient checkpointing is on (the HF forward implements it)"
     return None
+
+
+def _modules(model):
+    """`model` and every module under it, depth first (as `model.modules()`, less its
+    bookkeeping of names)."""
+    stack = [model]
+    while stack:
+        module = stack.pop()
+        yield module
+        stack.extend(m for m in reversed(module._modules.values()) if m is not None)
 
 
 def _module_reason(model, need_head: bool) -> str | None:
@@ -52,14 +58,23 @@ def _module_reason(model, need_head: bool) -> str | None:
             return f"the decoder stack has no {name}"
     if type(base.embed_tokens) is not nn.Embedding:
         return "the embedding is not a plain nn.Embedding"
-    for module in model.modules():
-        if getattr(module, "_hf_hook", None) is not None or module._forward_hooks \
+    for module in _modules(model):
+        # the instance's own attributes, where accelerate's hooks and wrappers and HF's
+        # checkpointing switch are set: a name looked up on the module itself and missing
+        # goes through Module.__getattr__, which raises and catches (this check runs on
+        # every pass, several times a step)
+        own = vars(module)
+        if own.get("_hf_hook") is not None or module._forward_hooks \
                 or module._forward_pre_hooks:
             return "a module has forward hooks (offloading, adapters or probes)"
         # accelerate's mixed-precision wrapper (it keeps `_original_forward`) only adds the
         # autocast the caller's region already provides
-        if "forward" in module.__dict__ and not hasattr(module, "_original_forward"):
+        if "forward" in own and "_original_forward" not in own:
             return "a module's forward was replaced"
+        # what transformers' is_activation_checkpointing reads, module by module
+        if own.get("gradient_checkpointing", getattr(type(module), "gradient_checkpointing",
+                                                      False)):
+            return "gradient checkpointing is on (the HF forward implements it)"
     for layer in base.layers:
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
         linears = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from labkit.fast.layer import (Attend, attention_bias, compute_dtype, eps_of, head_dims, layer,
-                               rope_tables, weight32)
+                               rope_tables, scaled_tables, weight32)
 from labkit.fast.support import decoder_stack, unsupported
 from labkit.reproducible import select_rows
 
@@ -133,9 +133,10 @@ class _TrainedLayer:
 
 
 def _attention(past: tuple[Tensor, Tensor] | None, bias: Tensor, dtype, kept: list) -> Attend:
-    """Attention of q (n, L, H, D) over the cached keys `past` and the L new ones, in `dtype`
-    (scores and softmax in fp32 with the additive `bias` (n, 1, L, S)); the layer's keys and
-    values (n, Hkv, S, D) are appended to `kept`."""
+    """Attention of q (n, L, H, D), already scaled by 1/sqrt(D) (`scaled_tables`), over the
+    cached keys `past` and the L new ones, in `dtype` (scores and softmax in fp32 with the
+    additive `bias` (n, 1, L, S)); the layer's keys and values (n, Hkv, S, D) are appended
+    to `kept`."""
 
     def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         n, L, H, D = q.shape
@@ -149,7 +150,7 @@ def _attention(past: tuple[Tensor, Tensor] | None, bias: Tensor, dtype, kept: li
         kept.append((k, v))
         S = k.shape[2]
         scores = torch.matmul(q.reshape(n, Hkv, rep * L, D), k.transpose(2, 3))
-        scores = scores.view(n, H, L, S) * D ** -0.5 + bias
+        scores = scores.view(n, H, L, S) + bias
         probs = scores.softmax(-1).to(dtype)
         o = torch.matmul(probs.view(n, Hkv, rep * L, S), v)  # (n, Hkv, rep*L, D)
         return o.view(n, H, L, D).transpose(1, 2).reshape(n, L, H * D)
@@ -168,12 +169,13 @@ def backbone(model, ids: Tensor, mask: Tensor, positions: Tensor,
     x = F.embedding(ids, base.embed_tokens.weight, base.embed_tokens.padding_idx).float()
     cos, sin = rope_tables(base, positions, torch.float32)
     cos, sin = cos[:, :, None], sin[:, :, None]  # (n, L, 1, D)
+    q_tables = scaled_tables(cos, sin, dims[2])
     bias = attention_bias(mask, ids.shape[1], torch.float32)
     kept: list[tuple[Tensor, Tensor]] = []
     for i, block in enumerate(base.layers):
         past = None if cache is None else cache.layers[i]
         attend = _attention(past, bias, dtype, kept)
-        x = layer(x, _TrainedLayer(block, weights[i], dims, dtype), attend, cos, sin)
+        x = layer(x, _TrainedLayer(block, weights[i], dims, dtype), attend, cos, sin, q_tables)
     if keep is not None:
         x = x[:, -keep:]
     return F.rms_norm(x, (x.shape[-1],), weight32(base.norm), eps_of(base.norm)), FastCache(kept)
