@@ -246,6 +246,7 @@ def update(config: TrainConfig, learner: Learner, batch: RolloutBatch, rows: Ten
         stats["perf/grad_norm"] = _optimizer_step(learner, learner.policy.parameters(),
                                                   learner.optimizer, learner.scheduler,
                                                   config.max_grad_norm)
+        batch.recording = None  # the policy has moved: the rollout's outputs no longer hold
         if learner.critic is not None:
             _optimizer_step(learner, learner.critic.parameters(), learner.critic_optimizer,
                             learner.critic_scheduler, config.max_grad_norm)

@@ -255,6 +255,14 @@ class TrainConfig:
     forward and decoder (the same numbers up to float rounding, with far less per-call
     overhead); False, or any other architecture, uses the model's own forward. Read once,
     by learner.build_learner (labkit.scoring.FAST_PASSES or MODEL_PASSES)."""
+    replay: bool = True
+    """Update: the first optimizer step's forward of the policy takes the outputs of the
+    products from the rollout that just ran them with the same weights (labkit.fast.replay)
+    instead of computing them again; the backward is unchanged and the log-probs are the
+    decoder's (the same up to float rounding). It applies on labkit.fast's passes (fast),
+    with the prompt run once per group (share_prompt), the rollout and the update in one
+    precision, on one process, for models of labkit.fast.replay.REPLAY_MIN_PARAMS
+    parameters or more within REPLAY_MAX_BYTES; elsewhere, or False, the update computes."""
     lora_rank: int = bounded(0, ge=0)
     """LoRA (Hu et al., 2021; labkit.lora, the `lora` extra): 0 trains every weight; r > 0
     trains rank-r adapters on lora_targets only, the reference being the same model with

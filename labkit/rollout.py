@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -46,6 +46,10 @@ class RolloutBatch:
     """(N,) True where the completion ended with EOS, False where it was truncated."""
     group_size: int
     """G."""
+    recording: object = field(default=None, repr=False, compare=False)
+    """The decoder's per-layer outputs (`labkit.fast.replay.Recording`) when the rollout kept
+    them (`keep_outputs`): the update's first pass takes them instead of computing its
+    products. None otherwise; the trainer drops it once the update has run."""
 
     @property
     def num_prompts(self) -> int:
@@ -222,7 +226,7 @@ def rollout(model, tokenizer, prompts: Sequence[str], *, group_size: int,
             max_new_tokens: int = 16, temperature: float = 1.0, top_k: int = 0,
             top_p: float = 1.0, greedy: bool = False, seed: int | None = None,
             decoder: Callable = fast_decoder, shard: tuple[int, int] | None = None,
-            prompt_width: int | None = None) -> RolloutBatch:
+            prompt_width: int | None = None, keep_outputs: bool = False) -> RolloutBatch:
     """Sample `group_size` completions for each prompt.
 
     Each prompt is prefilled once; its KV cache is repeated G times and the N rows decode
@@ -239,6 +243,9 @@ def rollout(model, tokenizer, prompts: Sequence[str], *, group_size: int,
     `prompt_width` left-pads the prompts to that many tokens (default: the longest's): a
     share padded to the whole batch's width gives each row the shapes and positions it has
     in the whole rollout, so no kernel sees a row otherwise than one process would.
+    `keep_outputs` keeps the decoder's per-layer outputs in the batch (`recording`) for the
+    update to replay (`labkit.fast.replay`), where the decoder can (labkit.fast's, on a model
+    large enough, within a memory budget) and the rollout is the whole batch (no `shard`).
     """
     _check(group_size, max_new_tokens, temperature, top_k, top_p, greedy)
     if shard is not None and (seed is None or not 0 <= shard[0] <= shard[1] - len(prompts)):
@@ -257,6 +264,9 @@ def rollout(model, tokenizer, prompts: Sequence[str], *, group_size: int,
         generator = torch.Generator(device=device).manual_seed(seed)
     prompt_ids, prompt_mask = encode_prompts(tokenizer, prompts, device, prompt_width)
     engine = decoder(model, prompt_ids, group_size)
+    recording = None
+    if keep_outputs and shard is None and hasattr(engine, "record"):
+        recording = engine.record(len(prompts), prompt_ids.shape[1], group_size, max_new_tokens)
     stop_ids = torch.tensor(stop, device=device)
 
     def is_stop(ids: Tensor) -> Tensor:
@@ -283,7 +293,7 @@ def rollout(model, tokenizer, prompts: Sequence[str], *, group_size: int,
         texts=tokenizer.batch_decode(completion_ids, skip_special_tokens=True),
         group_index=torch.arange(len(prompts), device=device).repeat_interleave(group_size),
         # a row finished when its last real token is a stop token (else it ran out of budget)
-        finished=stops.any(-1), group_size=group_size)
+        finished=stops.any(-1), group_size=group_size, recording=recording)
 
 
 def _decode(engine, prompt_ids: Tensor, prompt_mask: Tensor, G: int, T: int, draw,

@@ -69,10 +69,7 @@ def completion_outputs(run: Forward, batch: RolloutBatch, rows: Tensor | None = 
     rows = _all_rows(batch, rows)
     T = batch.completion_ids.shape[1]
     unique, inverse = torch.unique(batch.group_index[rows], return_inverse=True)
-    if share_prompt is None:
-        saved = (len(rows) - len(unique)) * batch.prompt_ids.shape[1]
-        share_prompt = saved >= SHARE_MIN_POSITIONS
-    if not share_prompt:
+    if not _shares_prompt(batch, rows, share_prompt):
         ids, mask, positions = sequences(batch, rows)
         out, _ = run(ids, mask, positions, None, T + 1)
         return out[:, :-1]
@@ -88,6 +85,15 @@ def completion_outputs(run: Forward, batch: RolloutBatch, rows: Tensor | None = 
     positions = start + torch.arange(T - 1, device=start.device)  # (n, T-1)
     rest, _ = run(batch.completion_ids[rows, :-1], mask, positions, cache, T - 1)
     return torch.cat([first, rest], dim=1)
+
+
+def _shares_prompt(batch: RolloutBatch, rows: Tensor, share_prompt: bool | None) -> bool:
+    """Whether a pass over `rows` runs each prompt once (`share_prompt`, None: when that
+    saves at least SHARE_MIN_POSITIONS positions)."""
+    if share_prompt is not None:
+        return share_prompt
+    saved = (len(rows) - len(torch.unique(batch.group_index[rows]))) * batch.prompt_ids.shape[1]
+    return saved >= SHARE_MIN_POSITIONS
 
 
 def model_forward(model) -> Forward:
@@ -173,7 +179,11 @@ def token_scores(model, batch: RolloutBatch, rows: Tensor | None = None, *,
     `model_forward`).
     """
     rows = _all_rows(batch, rows)
-    logits = completion_outputs(forward(model), batch, rows, share_prompt=share_prompt)
+    recording = _recording_for(model, batch, rows, share_prompt, forward)
+    if recording is None:
+        logits = completion_outputs(forward(model), batch, rows, share_prompt=share_prompt)
+    else:
+        logits = _replayed_outputs(model, recording, batch, rows)
     logits = logits.float() / temperature  # (n, T, V)
     norm = logits.logsumexp(-1, keepdim=True)  # (n, T, 1)
     targets = batch.completion_ids[rows]
@@ -182,6 +192,42 @@ def token_scores(model, batch: RolloutBatch, rows: Tensor | None = None, *,
     if with_entropy:
         ent = entropy_of(logits if entropy_grad else logits.detach())
     return TokenScores(logp, ent, logits - norm if distribution else None)
+
+
+def _recording_for(model, batch: RolloutBatch, rows: Tensor, share_prompt: bool | None,
+                   forward: Callable[..., Forward]):
+    """The rollout's kept outputs (`labkit.fast.replay.Recording`) where this pass may take
+    them instead of computing its products: a pass with gradient through labkit.fast's
+    forward, the prompt run once per group, and the recording still the model's (same
+    weights, same dtype of products). None otherwise."""
+    recording = getattr(batch, "recording", None)
+    if recording is None or forward is not fast_forward or not torch.is_grad_enabled() or \
+            torch.is_inference_mode_enabled() or not _shares_prompt(batch, rows, share_prompt):
+        return None
+    if batch.completion_ids.shape[1] - 1 > recording.steps or \
+            not recording.serves(model, fast.compute_dtype(model)):
+        return None
+    return recording
+
+
+def _replayed_outputs(model, recording, batch: RolloutBatch, rows: Tensor) -> Tensor:
+    """`completion_outputs` of the shared-prompt pass, its products' outputs taken from the
+    recording. The rows run in ascending order, so that all rows of the rollout read its
+    buffers without a copy; the logits come back in the order of `rows` (each row's
+    numbers do not depend on the rows beside it)."""
+    order = rows.argsort()
+    ascending = rows[order]
+    width = batch.completion_ids.shape[1] - 1
+
+    def run(ids, mask, positions, cache, keep):
+        if cache is None:  # the prompts' pass: its rows are the distinct prompts
+            kept = recording.prompt_pass(torch.unique(batch.group_index[ascending]))
+        else:
+            kept = recording.completion_pass(ascending, width)
+        return fast.lm_forward(model, ids, mask, positions, cache, keep, replay=kept)
+
+    logits = completion_outputs(run, batch, ascending, share_prompt=True)
+    return select_rows(logits, order.argsort())
 
 
 def token_logprobs(model, batch: RolloutBatch, rows: Tensor | None = None, *,

@@ -177,7 +177,9 @@ def _one_step(config, learner, tokenizer, problems, step: int, step_seed: int,
                         temperature=config.sampler_temperature or config.temperature,
                         top_k=config.top_k, top_p=config.top_p, seed=step_seed,
                         decoder=learner.passes.bf16_decoder if bf16_sampler
-                        else learner.passes.decoder, **keywords)
+                        else learner.passes.decoder,
+                        # a bf16 sampler feeds an fp32 learner: its products cannot stand in
+                        keep_outputs=config.replay and not bf16_sampler, **keywords)
     batch = parallel.gather_batch(batch, learner.accelerator, tokenizer.pad_token_id)
     rows = [p for p in problems for _ in range(config.group_size)]  # (N,)
     rewards = torch.tensor(reward_specs.score(config.reward, rows, batch.texts, step_seed),
@@ -197,6 +199,7 @@ def _one_step(config, learner, tokenizer, problems, step: int, step_seed: int,
         if inspect else None
     t1 = time.perf_counter()
     out: StepOutput = step_fn(config, learner, batch, rewards, step_seed, extras)
+    batch.recording = None  # the weights have moved on: what the rollout kept is stale
     t2 = time.perf_counter()
     if view is not None:
         view = samples.add_ratio(config, learner, batch, view)

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from labkit.fast.kv import FullCache, SharedPrefix
+from labkit.fast import replay
 from labkit.fast.layer import (attention_bias, compute_dtype, eps_of, head_dims, layer,
                                rope_tables)
 from labkit.fast.support import decoder_stack, unsupported
@@ -168,7 +169,10 @@ def _residual(x: Tensor, inp: Tensor, packed: Packed, dtype) -> Tensor:
 
 class _PackedLayer:
     """`LayerOps` on packed weights: a norm is only x * rsqrt(mean(x^2) + eps), its weight
-    being folded into the product after it; q, k and v come out of one product."""
+    being folded into the product after it; q, k and v come out of one product. `sink`,
+    when set, is handed each product's output (`labkit.fast.replay.Recording.sink`)."""
+
+    sink = None
 
     @torch.no_grad()
     def __init__(self, block, dtype, dims: tuple[int, int, int], form: str):
@@ -198,6 +202,8 @@ class _PackedLayer:
     def qkv(self, h: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         H, Hkv, D = self.H, self.Hkv, self.D
         qkv = _matmul(h, self.w_qkv, self.dtype)
+        if self.sink is not None:
+            self.sink(0, qkv)
         q, k, v = qkv.unflatten(-1, (H + 2 * Hkv, D)).split([H, Hkv, Hkv], dim=-2)
         if q.dtype != torch.float32:  # q and k go on in fp32 (their norms and RoPE)
             q, k = q.float(), k.float()
@@ -209,13 +215,18 @@ class _PackedLayer:
         return F.rms_norm(q, (self.D,), *self.q_norm), F.rms_norm(k, (self.D,), *self.k_norm)
 
     def residual_o(self, x: Tensor, o: Tensor) -> Tensor:
-        return _residual(x, o, self.w_o, self.dtype)
+        return self._kept(1, _residual(x, o, self.w_o, self.dtype))
 
     def gate_up(self, h: Tensor) -> tuple[Tensor, Tensor]:
-        return _matmul(h, self.w_gu, self.dtype).chunk(2, dim=-1)
+        return self._kept(2, _matmul(h, self.w_gu, self.dtype)).chunk(2, dim=-1)
 
     def residual_down(self, x: Tensor, act: Tensor) -> Tensor:
-        return _residual(x, act, self.w_down, self.dtype)
+        return self._kept(3, _residual(x, act, self.w_down, self.dtype))
+
+    def _kept(self, kind: int, output: Tensor) -> Tensor:
+        if self.sink is not None:
+            self.sink(kind, output)
+        return output
 
 
 class Decoder:
@@ -246,15 +257,43 @@ class Decoder:
         self.final_eps = eps_of(base.norm)
         self.layers = [_PackedLayer(block, dtype, (self.H, self.Hkv, self.D), form)
                        for block in base.layers]
+        self.model, self.recording = model, None
+
+    def record(self, prompts: int, prompt_width: int, group_size: int, max_new_tokens: int
+               ) -> replay.Recording | None:
+        """Keep this rollout's per-layer outputs for the update to replay
+        (`labkit.fast.replay`): call before `prefill`. None (nothing kept) for a model under
+        `replay.REPLAY_MIN_PARAMS` parameters or a recording over `replay.REPLAY_MAX_BYTES`."""
+        params = sum(p.numel() for p in self.model.parameters())
+        if params < replay.REPLAY_MIN_PARAMS:
+            return None
+        block = self.base.layers[0]
+        hidden, inner = self.embed.shape[1], block.mlp.gate_proj.out_features
+        widths = ((self.H + 2 * self.Hkv) * self.D, hidden, 2 * inner, hidden)
+        rows, steps = prompts * group_size, max_new_tokens - 1
+        vocab = self.model.lm_head.out_features
+        size = replay.Recording.size_bytes(len(self.layers), prompts, prompt_width, rows, steps,
+                                           widths, vocab, self.dtype)
+        if size > replay.REPLAY_MAX_BYTES:
+            return None
+        self.recording = replay.Recording(self.model, self.dtype, prompts, prompt_width, rows,
+                                          steps, widths, vocab, self.embed.device)
+        for i, ops in enumerate(self.layers):
+            self.recording.add_layer()
+            ops.sink = self.recording.sink(i)
+        return self.recording
 
     def close(self) -> None:
         """Release the packed weights and the KV buffers."""
-        self.layers = []
+        self.layers, self.recording = [], None
         self.kv.close()
 
     def _logits(self, x: Tensor) -> Tensor:
         normed = F.rms_norm(x, (x.shape[-1],), None, self.final_eps)
-        return _matmul(normed, self.head, self.dtype).float()
+        logits = _matmul(normed, self.head, self.dtype)
+        if self.recording is not None:
+            self.recording.keep_logits(logits)
+        return logits.float()
 
     @torch.no_grad()
     def prefill(self, ids: Tensor, mask: Tensor, group_size: int, max_new_tokens: int) -> Tensor:
@@ -274,6 +313,8 @@ class Decoder:
         bias = attention_bias(mask, P, f32)  # (B, 1, P, P)
         x = F.embedding(ids, self.embed).float()  # (B, P, hidden)
         self.kv.start(mask, G, T)
+        if self.recording is not None:
+            self.recording.at = None
         for ops in self.layers:
             x = layer(x, ops, self._prompt_attention(bias), cos, sin)
         # each row's rotary tables for its T decode positions, gathered once: (N, T, 1, D)
@@ -303,6 +344,8 @@ class Decoder:
         with torch.autocast(tokens.device.type, enabled=False):
             cos, sin = self.step_cos[:, self.t], self.step_sin[:, self.t]  # (N, 1, D)
             x = F.embedding(tokens, self.embed).float()  # (N, hidden)
+            if self.recording is not None:
+                self.recording.at = self.t
             for i, ops in enumerate(self.layers):
                 x = layer(x, ops, self.kv.attend(i, self.t), cos, sin)
             self.t += 1

@@ -18,6 +18,7 @@ from torch import Tensor
 
 from labkit.fast.layer import (Attend, attention_bias, compute_dtype, eps_of, head_dims, layer,
                                rope_tables, scaled_tables, weight32)
+from labkit.fast.replay import Replay, replayed
 from labkit.fast.support import decoder_stack, unsupported
 from labkit.reproducible import select_rows
 
@@ -132,6 +133,38 @@ class _TrainedLayer:
         return x + F.linear(act, self.w_down, self.b_down)
 
 
+class _ReplayedLayer(_TrainedLayer):
+    """`_TrainedLayer` whose products' outputs are given (`labkit.fast.replay`): `kept` holds
+    the layer's q, k, v, residual after attention, gate, up and residual after the MLP over
+    the pass's positions."""
+
+    def __init__(self, block, weights: tuple, dims: tuple[int, int, int], dtype,
+                 kept: tuple[Tensor, Tensor, Tensor, Tensor]):
+        super().__init__(block, weights, dims, dtype)
+        self.kept = kept
+        # the decoder folds 1/sqrt(D) into q's product unless a q norm follows it
+        self.q_unscale = None if hasattr(self.attn, "q_norm") else self.D ** 0.5
+
+    def qkv(self, h: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        H, Hkv, D = self.H, self.Hkv, self.D
+        q, k, v = self.kept[0].split([H * D, Hkv * D, Hkv * D], dim=-1)
+        if self.q_unscale is not None:
+            q = q * self.q_unscale
+        q, k, v = replayed(h, None, self.w_qkv, self.b_qkv, (q, k, v))
+        lead = h.shape[:-1]
+        return q.view(*lead, H, D).float(), k.view(*lead, Hkv, D).float(), v.view(*lead, Hkv, D)
+
+    def residual_o(self, x: Tensor, o: Tensor) -> Tensor:
+        return replayed(o, x, (self.w_o,), (self.b_o,), (self.kept[1],))[0]
+
+    def gate_up(self, h: Tensor) -> tuple[Tensor, Tensor]:
+        gate, up = self.kept[2].chunk(2, dim=-1)
+        return replayed(h, None, self.w_gu, self.b_gu, (gate, up))
+
+    def residual_down(self, x: Tensor, act: Tensor) -> Tensor:
+        return replayed(act, x, (self.w_down,), (self.b_down,), (self.kept[3],))[0]
+
+
 def _attention(past: tuple[Tensor, Tensor] | None, bias: Tensor, dtype, kept: list) -> Attend:
     """Attention of q (n, L, H, D), already scaled by 1/sqrt(D) (`scaled_tables`), over the
     cached keys `past` and the L new ones, in `dtype` (scores and softmax in fp32 with the
@@ -158,14 +191,18 @@ def _attention(past: tuple[Tensor, Tensor] | None, bias: Tensor, dtype, kept: li
 
 
 def backbone(model, ids: Tensor, mask: Tensor, positions: Tensor,
-             cache: FastCache | None = None, keep: int | None = None
-             ) -> tuple[Tensor, FastCache]:
+             cache: FastCache | None = None, keep: int | None = None,
+             replay: Replay | None = None) -> tuple[Tensor, FastCache]:
     """Final-norm hidden states (n, keep, hidden) of the last `keep` positions (all when None),
-    and the cache of every position. `mask` (n, S) covers the cached positions and `ids`'."""
+    and the cache of every position. `mask` (n, S) covers the cached positions and `ids`'.
+    `replay`: the products' outputs over these positions, kept by the rollout
+    (`labkit.fast.replay`), taken instead of computing the products (a trainable model's)."""
     base = decoder_stack(model)
     dims = head_dims(base.config)
     dtype = compute_dtype(model)
     weights = _layer_weights(model, dtype)
+    if replay is not None:
+        _check_replay(replay, ids.shape, len(base.layers), weights)
     x = F.embedding(ids, base.embed_tokens.weight, base.embed_tokens.padding_idx).float()
     cos, sin = rope_tables(base, positions, torch.float32)
     cos, sin = cos[:, :, None], sin[:, :, None]  # (n, L, 1, D)
@@ -175,19 +212,38 @@ def backbone(model, ids: Tensor, mask: Tensor, positions: Tensor,
     for i, block in enumerate(base.layers):
         past = None if cache is None else cache.layers[i]
         attend = _attention(past, bias, dtype, kept)
-        x = layer(x, _TrainedLayer(block, weights[i], dims, dtype), attend, cos, sin, q_tables)
+        ops = _TrainedLayer(block, weights[i], dims, dtype) if replay is None else \
+            _ReplayedLayer(block, weights[i], dims, dtype, replay.layers[i])
+        x = layer(x, ops, attend, cos, sin, q_tables)
     if keep is not None:
         x = x[:, -keep:]
     return F.rms_norm(x, (x.shape[-1],), weight32(base.norm), eps_of(base.norm)), FastCache(kept)
 
 
+def _check_replay(replay: Replay, shape: torch.Size, layers: int, weights: list) -> None:
+    if len(replay.layers) != layers or any(t.shape[:2] != shape for kept in replay.layers
+                                           for t in kept):
+        raise ValueError(f"replay: {len(replay.layers)} layers of outputs for {layers} layers, "
+                         f"over {[tuple(t.shape[:2]) for t in replay.layers[0]]} positions "
+                         f"where the pass has {tuple(shape)}")
+    if any(t.is_inference() for kept in replay.layers for t in kept):
+        raise ValueError("replay: outputs made in inference mode cannot join autograd's graph")
+    if not isinstance(weights[0][0], tuple):
+        raise ValueError("replay: the model's products must run on its own parameters (a "
+                         "trainable model's), not on stacked casts of a frozen one")
+
+
 def lm_forward(model, ids: Tensor, mask: Tensor, positions: Tensor,
-               cache: FastCache | None = None, keep: int | None = None
-               ) -> tuple[Tensor, FastCache]:
-    """Logits (n, keep, V) of the last `keep` positions and the KV cache (see `backbone`)."""
-    hidden, cache = backbone(model, ids, mask, positions, cache, keep)
+               cache: FastCache | None = None, keep: int | None = None,
+               replay: Replay | None = None) -> tuple[Tensor, FastCache]:
+    """Logits (n, keep, V) of the last `keep` positions and the KV cache (see `backbone`;
+    with `replay` the head's product too is taken from it)."""
+    hidden, cache = backbone(model, ids, mask, positions, cache, keep, replay)
     head = model.lm_head
-    return F.linear(hidden.to(compute_dtype(model)), head.weight, head.bias), cache
+    hidden = hidden.to(compute_dtype(model))
+    if replay is not None:
+        return replayed(hidden, None, (head.weight,), (head.bias,), (replay.logits,))[0], cache
+    return F.linear(hidden, head.weight, head.bias), cache
 
 
 # run(ids, mask, positions, cache, keep) -> (outputs (n, keep, ...), cache)
