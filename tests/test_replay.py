@@ -116,24 +116,26 @@ def test_a_replayed_pass_gives_the_log_probs_and_gradients_of_a_computed_one(
     recording = batch.recording
     assert isinstance(recording, Recording)
     weights = torch.randn(batch.completion_ids.shape, generator=torch.Generator().manual_seed(0))
-    for rows in (None, torch.tensor([7, 2, 3, 11, 0])):  # all rows; some, out of order
-        w = weights if rows is None else weights[rows]
+    every = torch.randperm(len(batch.completion_ids), generator=torch.Generator().manual_seed(1))
+    for rows in (torch.tensor([7, 2, 3, 11, 0]), every):  # some rows, then all, out of order
         batch.recording = None
-        computed = _scores(model, batch, rows, w)
+        computed = _scores(model, batch, rows, weights[rows])
         assert not replays
         batch.recording = recording
-        replayed_pass = _scores(model, batch, rows, w)
+        replayed_pass = _scores(model, batch, rows, weights[rows])
         # 2 layers x (q, k, v; o; gate, up; down) + the head, in each of the two passes
         assert len(replays) == 2 * (2 * 4 + 1)
         replays.clear()
-        mask = batch.completion_mask if rows is None else batch.completion_mask[rows]
-        _assert_close(computed, replayed_pass, mask)
+        _assert_close(computed, replayed_pass, batch.completion_mask[rows])
     # the replayed log-probs are the decoder's own: those the rollout drew with
-    logp, _ = replayed_pass
-    batch.recording = recording
-    logp, _ = _scores(model, batch)
-    real = batch.completion_mask.bool()
-    torch.testing.assert_close(logp[real], batch.old_logprobs[real], atol=2e-6, rtol=0)
+    real = batch.completion_mask[every].bool()
+    torch.testing.assert_close(replayed_pass[0][real], batch.old_logprobs[every][real],
+                               atol=2e-6, rtol=0)
+    # the pass over every row took the buffers: the next pass computes, bit for bit
+    assert recording.spent and not recording.completion
+    again = _scores(model, batch, every, weights[every])
+    assert not replays
+    assert torch.equal(again[0], computed[0])
 
 
 def test_a_rollout_that_stops_at_its_first_token_replays_the_prompts_alone(
@@ -244,3 +246,26 @@ def test_the_trainer_replays_the_first_minibatch_and_drops_the_recording(
     for a, b in zip(runs[True][1], runs[False][1]):
         for key in ("loss/policy", "policy/kl", "perf/grad_norm"):
             assert a.metrics[key] == pytest.approx(b.metrics[key], rel=1e-3, abs=1e-6), key
+
+
+def test_a_bf16_rollout_is_replayed_by_a_bf16_update(tiny, every_model, replays):
+    from labkit.rollout import bf16_fast_decoder
+
+    model, tokenizer = _model("qwen2", tiny[1]), tiny[1]
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # bf16 products at any model size
+        batch = rollout(model, tokenizer, PROMPTS, group_size=2, max_new_tokens=6, seed=4,
+                        temperature=0.9, keep_outputs=True, decoder=bf16_fast_decoder)
+        assert batch.recording.dtype == torch.bfloat16
+        recording, batch.recording = batch.recording, None
+        computed = _scores(model, batch)
+        batch.recording = recording
+        replayed_pass = _scores(model, batch)
+    assert len(replays) == 2 * (2 * 4 + 1)
+    real = batch.completion_mask.bool()
+    # bf16 products: the two passes round apart, the replayed one is the decoder's
+    torch.testing.assert_close(replayed_pass[0][real], computed[0][real], atol=0.1, rtol=0)
+    torch.testing.assert_close(replayed_pass[0][real], batch.old_logprobs[real], atol=1e-5,
+                               rtol=0)
+    for name, grad in computed[1].items():
+        cosine = F.cosine_similarity(grad.flatten(), replayed_pass[1][name].flatten(), dim=0)
+        assert cosine > 0.99, name

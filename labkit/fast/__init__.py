@@ -11,6 +11,9 @@ plain torch operations, with the decoder layer written once (`layer`):
 * `Decoder` (`decoder`): the rollout's prefill and decode steps on packed weights, reading
   the KV cache through a strategy (`kv`): `FullCache` (the prompt's keys per row) or
   `SharedPrefix` (once per group).
+* `replay`: a rollout's per-layer outputs, kept by the decoder (`Decoder.record`), which the
+  update's first teacher-forced pass takes instead of computing its products (the
+  backward unchanged).
 * `lm_forward_or`, `backbone_or`, `decoder_or`: choosers that give these paths for the models
   they cover and a plain path (the model's own forward) for the others.
 

@@ -39,7 +39,8 @@ and the residual stream after the MLP."""
 
 class Replay(NamedTuple):
     """The kept outputs of one teacher-forced pass over (n, L) positions: per layer a tuple
-    in the order of `KINDS`, each (n, L, width), and the logits (n, keep, V)."""
+    in the order of `KINDS`, each (n, L, width), and the logits (n, keep, V). The pass
+    empties `layers` as it goes (`labkit.fast.training.backbone`)."""
 
     layers: list[tuple[Tensor, Tensor, Tensor, Tensor]]
     logits: Tensor
@@ -61,6 +62,7 @@ class Recording:
                  widths: tuple[int, ...], vocab: int, device):
         self.model, self.dtype, self.key = model, dtype, weights_key(model)
         self.rows, self.steps, self.at = rows, steps, None
+        self.spent = False
         self._shape, self._widths, self._device = (prompts, prompt_width), widths, device
         self.prompt: list[list[Tensor]] = []
         self.completion: list[list[Tensor]] = []
@@ -109,9 +111,9 @@ class Recording:
 
     def serves(self, model, dtype) -> bool:
         """Whether the outputs are still `model`'s in `dtype`: the model that was recorded,
-        no parameter changed since, products in the same dtype."""
-        return getattr(model, "module", model) is self.model and dtype == self.dtype and \
-            weights_key(self.model) == self.key
+        no parameter changed since, products in the same dtype, and not `spent`."""
+        return not self.spent and getattr(model, "module", model) is self.model and \
+            dtype == self.dtype and weights_key(self.model) == self.key
 
     def prompt_pass(self, prompts: Tensor) -> Replay:
         """The outputs of the pass over the prompts `prompts` (u,) (keep = 1)."""
@@ -119,12 +121,19 @@ class Recording:
         return Replay(layers, _take(self.prompt_logits, prompts)[:, None])
 
     def completion_pass(self, rows: Tensor, width: int) -> Replay:
-        """The outputs of the pass over the first `width` completion tokens of `rows`."""
+        """The outputs of the pass over the first `width` completion tokens of `rows`. A
+        pass over every row takes the buffers with it and leaves the recording `spent`: the
+        update makes one such pass before its weights move (a later pass computes), and the
+        pass lets each layer's buffers go once it has run the layer (`backbone`), so that
+        what its graph does not keep (the raw q, k and v) is freed during the pass."""
         if width > self.steps:
             raise ValueError(f"{width} completion positions asked of a recording of "
                              f"{self.steps} decode steps")
         layers = [tuple(_take(t, rows)[:, :width] for t in kept) for kept in self.completion]
-        return Replay(layers, _take(self.step_logits, rows)[:, :width])
+        logits = _take(self.step_logits, rows)[:, :width]
+        if rows.numel() == self.rows:
+            self.completion, self.step_logits, self.spent = [], None, True
+        return Replay(layers, logits)
 
 
 def _take(x: Tensor, index: Tensor) -> Tensor:

@@ -196,7 +196,8 @@ def backbone(model, ids: Tensor, mask: Tensor, positions: Tensor,
     """Final-norm hidden states (n, keep, hidden) of the last `keep` positions (all when None),
     and the cache of every position. `mask` (n, S) covers the cached positions and `ids`'.
     `replay`: the products' outputs over these positions, kept by the rollout
-    (`labkit.fast.replay`), taken instead of computing the products (a trainable model's)."""
+    (`labkit.fast.replay`), taken instead of computing the products (a trainable model's);
+    each layer's entry of `replay.layers` is emptied once the layer has run."""
     base = decoder_stack(model)
     dims = head_dims(base.config)
     dtype = compute_dtype(model)
@@ -212,9 +213,13 @@ def backbone(model, ids: Tensor, mask: Tensor, positions: Tensor,
     for i, block in enumerate(base.layers):
         past = None if cache is None else cache.layers[i]
         attend = _attention(past, bias, dtype, kept)
-        ops = _TrainedLayer(block, weights[i], dims, dtype) if replay is None else \
-            _ReplayedLayer(block, weights[i], dims, dtype, replay.layers[i])
+        if replay is None:
+            ops = _TrainedLayer(block, weights[i], dims, dtype)
+        else:  # the layer's outputs go with it: what the graph does not keep is freed
+            ops = _ReplayedLayer(block, weights[i], dims, dtype, replay.layers[i])
+            replay.layers[i] = None
         x = layer(x, ops, attend, cos, sin, q_tables)
+        del ops
     if keep is not None:
         x = x[:, -keep:]
     return F.rms_norm(x, (x.shape[-1],), weight32(base.norm), eps_of(base.norm)), FastCache(kept)
