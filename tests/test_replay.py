@@ -156,12 +156,35 @@ def test_a_rollout_that_stops_at_its_first_token_replays_the_prompts_alone(
     _assert_close(computed, replayed_pass, batch.completion_mask)
 
 
+def test_a_rollout_whose_rows_all_stop_early_replays_the_steps_that_ran(
+        tiny, every_model, replays, monkeypatch):
+    import labkit.rollout
+
+    model, tokenizer = _model("qwen2", tiny[1]), tiny[1]
+    # three tokens in four end a completion: every row stops within a few tokens
+    stops = [i for i in range(len(tokenizer)) if i % 4]
+    monkeypatch.setattr(labkit.rollout, "eos_ids", lambda *_: stops)
+    batch = rollout(model, tokenizer, PROMPTS, group_size=3, max_new_tokens=12, seed=4,
+                    keep_outputs=True)
+    ran = batch.completion_ids.shape[1] - 1  # decode steps, after the prefill's token
+    assert 1 <= ran < 11 and batch.recording.steps == 11
+    recording, batch.recording = batch.recording, None
+    computed = _scores(model, batch)
+    batch.recording = recording
+    replayed_pass = _scores(model, batch)
+    assert len(replays) == 2 * (2 * 4 + 1)
+    _assert_close(computed, replayed_pass, batch.completion_mask)
+
+
 def test_a_recording_holds_the_bytes_it_announces(tiny, every_model):
     model, tokenizer = _model("qwen2", tiny[1]), tiny[1]
     batch = rollout(model, tokenizer, PROMPTS, group_size=3, max_new_tokens=5, seed=1,
                     keep_outputs=True)
     rec = batch.recording
-    held = sum(t.nbytes for kept in rec.prompt + rec.completion for t in kept) + \
+    # the decode steps' outputs are held as they came, one tensor per step and kind
+    assert all(len(steps) == 4 for kept in rec.completion for steps in kept)
+    held = sum(t.nbytes for kept in rec.prompt for t in kept) + \
+        sum(t.nbytes for kept in rec.completion for steps in kept for t in steps) + \
         rec.prompt_logits.nbytes + rec.step_logits.nbytes
     config = model.config
     head = config.hidden_size // config.num_attention_heads
