@@ -454,8 +454,12 @@ def test_quick_takes_fewer_steps_and_one_scaling_point_unless_told_otherwise():
     work = inputs.Work("m", ("1+1=",), ("2",), group_size=8)
     full, quick = _bench_args(), _bench_args("--quick")
     assert (full.steps, full.warmup, full.rounds) == (8, 2, 3)
-    assert (quick.steps, quick.warmup, quick.rounds) == (2, 1, 3)  # still 3 rounds
+    assert (quick.steps, quick.warmup, quick.rounds) == (1, 1, 3)  # still 3 rounds
     assert _bench_args("--quick", "--steps", "5").steps == 5  # given steps win
+    assert full.lora and not quick.lora  # the LoRA row: the full bench's
+    assert _bench_args("--quick", "--lora").lora and not _bench_args("--no-lora").lora
+    said = []
+    assert bench.lora_row(quick, said.append) is False and "--lora adds it" in said[0]
     assert bench.scaling_points(full, work)["groups"] == [2, 4, 8, 16]
     assert bench.scaling_points(quick, work) == dict(groups=[8], lengths=[], plain=False)
     assert bench.scaling_points(_bench_args("--quick", "--no-scaling"), work) is None

@@ -34,6 +34,7 @@ in its own process), `report` (the summary and the table); this one is the comma
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import statistics
@@ -55,14 +56,16 @@ LORA_RANK = 8
 """The LoRA memory row: adapters of this rank on every projection (TrainConfig's default
 targets)."""
 
-MODES = {"full": dict(steps=8, warmup=2), "quick": dict(steps=2, warmup=1)}
-"""Timed and warm-up steps per measurement when --steps and --warmup are not given: the full
-bench, and --quick (every comparison still in 3 rounds, the scaling table cut to the one
-point the consistency check needs)."""
+MODES = {"full": dict(steps=8, warmup=2, lora=True),
+         "quick": dict(steps=1, warmup=1, lora=False)}
+"""Timed and warm-up steps per measurement, and the LoRA memory row, where --steps, --warmup
+and --lora / --no-lora are not given: the full bench, and --quick (every comparison still
+in 3 rounds, one timed step a round, the scaling table cut to the one point the
+consistency check needs, no LoRA row)."""
 
 
 def resolve_mode(args) -> None:
-    """Fill --steps and --warmup left unset from the mode (--quick or full)."""
+    """Fill --steps, --warmup and --lora left unset from the mode (--quick or full)."""
     mode = MODES["quick" if getattr(args, "quick", False) else "full"]
     for key, value in mode.items():
         if getattr(args, key, None) is None:
@@ -151,7 +154,7 @@ def run(args) -> dict:
                                       floor_rounds=1 if getattr(args, "quick", False) else None)
         say("[bench] rollout vs model.generate")
         rollout_work = replace(small, batch_prompts=4, max_new_tokens=64,
-                               steps=max(2, args.steps // 2), warmup=1)
+                               steps=max(1, args.steps // 2), warmup=1)
         results["rollout"] = measure("rollout", rollout_work)
         say("[bench] memory: GRPO step, PPO step")
         memory_work = replace(small, steps=2, warmup=0)
@@ -210,9 +213,12 @@ class Stages:
 
 
 def lora_row(args, say) -> bool:
-    """Whether to measure the LoRA memory row: unless --no-lora, and where peft is
-    installed (the `lora` extra; without it the row is left out and that is said)."""
+    """Whether to measure the LoRA memory row: with --lora (the full bench's default), and
+    where peft is installed (the `lora` extra; without it the row is left out and that is
+    said)."""
     if not args.lora:
+        if getattr(args, "quick", False):
+            say("[bench] --quick: no LoRA memory row (--lora adds it)")
         return False
     if importlib.util.find_spec("peft") is None:
         say("[bench] no LoRA memory row: peft is not installed (pip install 'labkit[lora]')")
@@ -289,11 +295,11 @@ def add_parser(sub) -> None:
     cmd = sub.add_parser("bench", help="time labkit's GRPO step, rollout and memory against "
                                        "TRL, model.generate and PPO")
     cmd.add_argument("--quick", action="store_true",
-                     help="fewer steps (2 timed after 1 warm-up, still 3 rounds) and only the "
-                          "scaling point of the comparison's shape: a first look in about 5 "
-                          "minutes on 2 cores, noisier than the full bench")
+                     help="fewer steps (1 timed after 1 warm-up, still 3 rounds), only the "
+                          "scaling point of the comparison's shape and no LoRA row: a first "
+                          "look in about 5 minutes on 2 cores, noisier than the full bench")
     cmd.add_argument("--steps", type=int, default=None,
-                     help="timed steps per measurement (default 8, --quick 2)")
+                     help="timed steps per measurement (default 8, --quick 1)")
     cmd.add_argument("--warmup", type=int, default=None,
                      help="untimed steps first (default 2, --quick 1)")
     cmd.add_argument("--rounds", type=int, default=3,
@@ -308,8 +314,9 @@ def add_parser(sub) -> None:
     cmd.add_argument("--beta", type=float, default=0.04, help="KL coefficient (> 0 so both "
                                                                "sides run the reference)")
     cmd.add_argument("--device", default=None, help="cpu or cuda[:N]; default: CUDA if present")
-    cmd.add_argument("--no-lora", dest="lora", action="store_false",
-                     help="skip the LoRA memory row (it needs peft, the `lora` extra)")
+    cmd.add_argument("--lora", action=argparse.BooleanOptionalAction, default=None,
+                     help="the LoRA memory row (it needs peft, the `lora` extra); default: "
+                          "on, off with --quick")
     cmd.add_argument("--no-scaling", dest="scaling", action="store_false",
                      help="skip the scaling sweep over G and completion length")
     cmd.add_argument("--scale", choices=list(SCALES), default="full",
