@@ -53,13 +53,13 @@ def weights_key(model) -> tuple:
 
 class Recording:
     """A rollout's per-layer outputs: B prompts of P positions and N = B*G rows of up to
-    T - 1 decode steps. The prefill's outputs and the logits go into buffers reserved when
-    the decoder starts (ordinary tensors, so that autograd can take them up after a rollout
-    run in inference mode; zero where a step never ran); a decode step's outputs are kept
-    as they are, one tensor per step, and stacked into (N, steps, width) buffers when the
-    update first asks for them (`completion_pass`): one copy per layer and kind instead of
-    one per decode step. The decoder hands each output to `sink(layer)` and the logits to
-    `keep_logits`; `at` is None during the prefill, else the decode step."""
+    T - 1 decode steps, in buffers reserved when the decoder starts (ordinary tensors, so
+    that autograd can take them up after a rollout run in inference mode; zero where a step
+    never ran). A decode step's buffers are held step by step, (steps, N, width), so that
+    keeping a step's output is one contiguous copy; the update's pass takes them row by row,
+    (N, steps, width), one copy per layer and kind (`completion_pass`). The decoder hands
+    each output to `sink(layer)` and the logits to `keep_logits`; `at` is None during the
+    prefill, else the decode step."""
 
     def __init__(self, model, dtype, prompts: int, prompt_width: int, rows: int, steps: int,
                  widths: tuple[int, ...], vocab: int, device):
@@ -68,9 +68,8 @@ class Recording:
         self.spent = False
         self._shape, self._widths, self._device = (prompts, prompt_width), widths, device
         self.prompt: list[list[Tensor]] = []
-        self.completion: list[list] = []
-        """Per layer and kind: the decode steps' outputs, a list of (N, width) tensors, until
-        `completion_pass` stacks them into one (N, steps, width) tensor."""
+        self.completion: list[list[Tensor]] = []
+        """Per layer and kind the decode steps' outputs, (steps, N, width)."""
         self.prompt_logits = torch.empty(prompts, vocab, dtype=dtype, device=device)
         self.step_logits = torch.zeros(rows, steps, vocab, dtype=dtype, device=device)
 
@@ -90,7 +89,9 @@ class Recording:
         dtypes = [torch.float32 if kind in ("mid", "out") else self.dtype for kind in KINDS]
         self.prompt.append([torch.empty(*self._shape, width, dtype=dtype, device=self._device)
                             for width, dtype in zip(self._widths, dtypes)])
-        self.completion.append([[] for _ in KINDS])
+        self.completion.append([torch.zeros(self.steps, self.rows, width, dtype=dtype,
+                                            device=self._device)
+                                for width, dtype in zip(self._widths, dtypes)])
 
     def sink(self, layer: int):
         """keep(kind, output): layer `layer`'s output of KINDS[kind], (B, P, width) from the
@@ -100,8 +101,8 @@ class Recording:
         def keep(kind: int, output: Tensor) -> None:
             if self.at is None:
                 prompt[kind].copy_(output)
-            else:  # nothing writes to a product's output after it: kept without a copy
-                completion[kind].append(output)
+            else:
+                completion[kind][self.at].copy_(output)
         return keep
 
     def keep_logits(self, logits: Tensor) -> None:
@@ -132,31 +133,17 @@ class Recording:
         if width > self.steps:
             raise ValueError(f"{width} completion positions asked of a recording of "
                              f"{self.steps} decode steps")
-        self._stack()
-        layers = [tuple(_take(t, rows)[:, :width] for t in kept) for kept in self.completion]
+        spend = rows.numel() == self.rows
+        layers = []
+        for i, kept in enumerate(self.completion):
+            layers.append(tuple(_take(t[:width].transpose(0, 1), rows).contiguous()
+                                for t in kept))
+            if spend:  # each layer's step-major buffers go once their copies are made
+                self.completion[i] = None
         logits = _take(self.step_logits, rows)[:, :width]
-        if rows.numel() == self.rows:
+        if spend:
             self.completion, self.step_logits, self.spent = [], None, True
         return Replay(layers, logits)
-
-
-    def _stack(self) -> None:
-        """Each layer's and kind's decode-step outputs as one (N, steps, width) tensor, zero
-        after the last step that ran; each list is let go once it is stacked, so that the
-        two forms of one layer's outputs are held together, never all of them."""
-        dtypes = [torch.float32 if kind in ("mid", "out") else self.dtype for kind in KINDS]
-        for kept in self.completion:
-            for kind, (outputs, width, dtype) in enumerate(zip(kept, self._widths, dtypes)):
-                if isinstance(outputs, Tensor):
-                    continue
-                if len(outputs) == self.steps:
-                    kept[kind] = torch.stack(outputs, dim=1)
-                    continue
-                stacked = torch.zeros(self.rows, self.steps, width, dtype=dtype,
-                                      device=self._device)
-                if outputs:  # a rollout whose rows all stopped before its last step
-                    stacked[:, :len(outputs)] = torch.stack(outputs, dim=1)
-                kept[kind] = stacked
 
 
 def _take(x: Tensor, index: Tensor) -> Tensor:
