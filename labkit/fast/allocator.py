@@ -4,14 +4,14 @@ A training step allocates and frees the same tensors of a few MiB over and over 
 activations, their gradients, attention's scores). By default glibc hands a block of the
 heap's top back to the system once more than its trim threshold lies free there (twice the
 mmap threshold, which glibc raises as blocks are freed, up to 32 MiB), so the next step
-takes the same memory again page by page: 60-100 k minor page faults a step on the bench's
+takes the same memory again page by page: 60-120 k minor page faults a step on the bench's
 small model (docs/performance.md). With the thresholds fixed high, the heap keeps what it
 has held and a step after the first faults almost never.
 
 The setting is the process's: it holds for every later allocation, and the resident memory
 no longer shrinks when tensors are freed (the peak is what it was). A user's own choice
-wins: with `MALLOC_MMAP_THRESHOLD_`, `MALLOC_TRIM_THRESHOLD_` or a `glibc.malloc` tunable
-in `GLIBC_TUNABLES` set, nothing changes (the bench's memory workers set one to measure
+wins: with any of `USER_SETTINGS` or a `glibc.malloc` tunable in `GLIBC_TUNABLES` set,
+nothing changes (the bench's memory workers set one to measure
 peaks). Other C libraries (macOS, musl) are left alone.
 """
 
@@ -30,6 +30,7 @@ TRIM_THRESHOLD = 1 << 30
 """Free memory at the heap's top that glibc keeps before handing it back (mallopt takes an
 int: at most 2 GiB)."""
 USER_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")
+"""The environment variables through which a user sets glibc's thresholds."""
 
 
 def user_chose() -> bool:
