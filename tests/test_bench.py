@@ -415,7 +415,10 @@ def test_compare_rounds_reruns_a_stray_round_once_and_reports_each_round():
     assert floors == [True, None] * 4  # labkit's side measures its floor in every round
     calls.clear(), floors.clear(), busy.clear()
     bench.compare_rounds("small", None, 3, lambda *a: None, measure=measure, floor_rounds=1)
-    assert floors[::2] == [True, False, False]  # --quick: in the first round only
+    assert floors[::2] == [True, False, False]  # in the first round only
+    calls.clear(), floors.clear()
+    bench.compare_rounds("small", None, 3, lambda *a: None, measure=measure, floor_rounds=0)
+    assert floors[::2] == [False, False, False]  # --quick, --no-floor: never
     calls.clear(), floors.clear()
     busy.add(("labkit", 1))
     out = bench.compare_rounds("small", None, 3, lambda *a: None, measure=measure)
@@ -458,6 +461,8 @@ def test_quick_takes_fewer_steps_and_one_scaling_point_unless_told_otherwise():
     assert _bench_args("--quick", "--steps", "5").steps == 5  # given steps win
     assert full.lora and not quick.lora  # the LoRA row: the full bench's
     assert _bench_args("--quick", "--lora").lora and not _bench_args("--no-lora").lora
+    assert full.floor and not quick.floor  # the step floor: the full bench's
+    assert _bench_args("--quick", "--floor").floor and not _bench_args("--no-floor").floor
     said = []
     assert bench.lora_row(quick, said.append) is False and "--lora adds it" in said[0]
     assert bench.scaling_points(full, work)["groups"] == [2, 4, 8, 16]

@@ -56,16 +56,19 @@ LORA_RANK = 8
 """The LoRA memory row: adapters of this rank on every projection (TrainConfig's default
 targets)."""
 
-MODES = {"full": dict(steps=8, warmup=2, lora=True),
-         "quick": dict(steps=1, warmup=1, lora=False)}
-"""Timed and warm-up steps per measurement, and the LoRA memory row, where --steps, --warmup
-and --lora / --no-lora are not given: the full bench, and --quick (every comparison still
-in 3 rounds, one timed step a round, the scaling table cut to the one point the
-consistency check needs, no LoRA row)."""
+MODES = {"full": dict(steps=8, warmup=2, lora=True, floor=True),
+         "quick": dict(steps=1, warmup=1, lora=False, floor=False)}
+"""Timed and warm-up steps per measurement, the LoRA memory row and the step floor, where
+--steps, --warmup, --lora / --no-lora and --floor / --no-floor are not given: the full
+bench, and --quick (every comparison still in 3 rounds, one timed step a round, the scaling
+table cut to the one point the consistency check needs, no LoRA row, no floor: on the
+small model the floor's recorded step and replays take about as long as the rest of a
+round's labkit worker twice over)."""
 
 
 def resolve_mode(args) -> None:
-    """Fill --steps, --warmup and --lora left unset from the mode (--quick or full)."""
+    """Fill --steps, --warmup, --lora and --floor left unset from the mode (--quick or
+    full)."""
     mode = MODES["quick" if getattr(args, "quick", False) else "full"]
     for key, value in mode.items():
         if getattr(args, key, None) is None:
@@ -148,10 +151,11 @@ def run(args) -> dict:
         precision = {"tiny": tiny.precision, "small": small.precision}
         say(f"[bench] CPU capability {capability}, native bf16 {cpu_bf16_native()}; precision "
             f"tiny {tiny.precision}, small {small.precision}")
+        if not args.floor:
+            say("[bench] no step floor in this run (--floor adds it)")
         for label, work in (("tiny", tiny), ("small", small)):
-            # --quick measures the floor once, in the first round
             results |= compare_rounds(label, work, args.rounds, say, measure=measure,
-                                      floor_rounds=1 if getattr(args, "quick", False) else None)
+                                      floor_rounds=None if args.floor else 0)
         say("[bench] rollout vs model.generate")
         rollout_work = replace(small, batch_prompts=4, max_new_tokens=64,
                                steps=max(1, args.steps // 2), warmup=1)
@@ -296,8 +300,9 @@ def add_parser(sub) -> None:
                                        "TRL, model.generate and PPO")
     cmd.add_argument("--quick", action="store_true",
                      help="fewer steps (1 timed after 1 warm-up, still 3 rounds), only the "
-                          "scaling point of the comparison's shape and no LoRA row: a first "
-                          "look in about 5 minutes on 2 cores, noisier than the full bench")
+                          "scaling point of the comparison's shape, no LoRA row and no step "
+                          "floor: a first look in about 5 minutes on 2 cores, noisier than "
+                          "the full bench")
     cmd.add_argument("--steps", type=int, default=None,
                      help="timed steps per measurement (default 8, --quick 1)")
     cmd.add_argument("--warmup", type=int, default=None,
@@ -317,6 +322,9 @@ def add_parser(sub) -> None:
     cmd.add_argument("--lora", action=argparse.BooleanOptionalAction, default=None,
                      help="the LoRA memory row (it needs peft, the `lora` extra); default: "
                           "on, off with --quick")
+    cmd.add_argument("--floor", action=argparse.BooleanOptionalAction, default=None,
+                     help="the floor under labkit's step (its matrix products replayed "
+                          "alone), measured in every round; default: on, off with --quick")
     cmd.add_argument("--no-scaling", dest="scaling", action="store_false",
                      help="skip the scaling sweep over G and completion length")
     cmd.add_argument("--scale", choices=list(SCALES), default="full",
