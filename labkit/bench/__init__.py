@@ -23,7 +23,8 @@ model load, its own allocator), one after another, never two at once:
   the time spent running prompts, which stays flat in G.
 * A floor under labkit's step on each config (`step_floor`): the step's own matrix
   products replayed alone plus its other operations at a bare view's cost, beside TRL's
-  step, to show how much of a step's time any implementation of its operations must spend.
+  step, to show how much of a step's time any implementation of its operations must spend
+  (the full bench, every round; `--quick` leaves it out, `--floor` adds it).
 
 The last line printed is one JSON object (`report.summarize`).
 
