@@ -4,8 +4,9 @@ A figure is the mean over seeds with a 95% interval. With a handful of seeds the
 Student's t over the per-seed values (`mean_interval`); a difference between two arms run on
 the same seeds (seed s gives every arm the same prompt stream) is the paired t interval of the
 per-seed differences (`paired_interval`), and a cost ratio the t interval of the per-seed log
-ratios, exponentiated (`ratio_interval`: a geometric mean). A held-out accuracy has its own
-binomial noise beside the seeds' (`binomial_se`). Every interval names its method.
+ratios, exponentiated (`ratio_interval`, or `geometric_interval` of ratios already taken: a
+geometric mean). A held-out accuracy has its own binomial noise beside the seeds'
+(`binomial_se`). Every interval names its method.
 
 `verdict` reads an interval against a claim's threshold: `supported` when the whole interval
 lies on the claim's side, `refuted` when the whole of it lies on the other side, otherwise
@@ -103,7 +104,17 @@ def ratio_interval(a: Sequence[float], b: Sequence[float], confidence: float = 0
         raise ValueError(f"a and b must pair up one value per seed, got {len(xs)} and {len(ys)}")
     if min(xs + ys) <= 0:
         raise ValueError("a ratio interval needs positive values")
-    logs = mean_interval([math.log(x / y) for x, y in zip(xs, ys)], confidence, unit)
+    return geometric_interval([x / y for x, y in zip(xs, ys)], confidence, unit)
+
+
+def geometric_interval(values: Sequence[float], confidence: float = 0.95,
+                       unit: str = "seeds") -> Interval:
+    """The geometric mean of positive values (ratios measured once per seed, run or round)
+    with the t interval of their logs, exponentiated."""
+    xs = _finite(values, "values")
+    if min(xs) <= 0:
+        raise ValueError(f"a geometric interval needs positive values, got {xs}")
+    logs = mean_interval([math.log(x) for x in xs], confidence, unit)
     method = (f"t-interval of log ratios over {logs.n} {unit}, exponentiated"
               if logs.n > 1 else logs.method)
     low, high = (math.exp(logs.low), math.exp(logs.high)) if logs.n > 1 else (math.nan, math.nan)

@@ -94,12 +94,19 @@ def test_the_command_runs_end_to_end_and_ends_with_its_json_line():
     assert {p["axis"] for p in summary["scaling"]} == {"group_size", "max_new_tokens", "plain"}
     # the prompt-wide passes (prefill, reference and update prompt passes) were timed
     assert all(p["prompt_s"] > 0 for p in summary["scaling"] if p["axis"] != "plain")
+    # every target whose figure was measured: the floor's too (the full bench measures it)
     assert set(summary["targets_met"]) == set(report.TARGETS)
+    # one round: an interval needs two, so no verdict can be supported or refuted
+    assert set(summary["targets_verdict"]) == {"trl_step_ratio_tiny", "trl_step_ratio_small",
+                                               "floor_multiple_small"}
+    assert set(summary["targets_verdict"].values()) == {"inconclusive at this budget"}
     for label in ("tiny", "small"):  # the floor under one step, below the step itself
         assert 0 < summary[f"floor_s_{label}"] < summary[f"labkit_step_s_{label}"], label
         assert 0 < summary[f"floor_products_{label}"] < summary[f"floor_ops_{label}"], label
         assert summary[f"floor_ratio_{label}"] == pytest.approx(
             summary[f"floor_s_{label}"] / summary[f"trl_step_s_{label}"])
+        assert summary[f"floor_multiple_{label}"] == pytest.approx(
+            summary[f"labkit_step_s_{label}"] / summary[f"floor_s_{label}"])
     assert any(line.startswith("comparison") for line in lines)  # the table above the JSON
 
 
@@ -423,6 +430,23 @@ def test_compare_rounds_reruns_a_stray_round_once_and_reports_each_round():
     busy.add(("labkit", 1))
     out = bench.compare_rounds("small", None, 3, lambda *a: None, measure=measure)
     assert [r["rerun"] for r in out["rounds_small"]] == [False, True, False]
+
+
+def test_each_round_keeps_the_floor_its_labkit_side_measured():
+    from labkit import bench
+
+    def measure(side, work, **options):
+        out = {"step_s": [1.0 if side == "labkit" else 2.0]}
+        if options.get("floor"):
+            out["floor_s"] = [0.5 + 0.1 * measure.turn]
+            measure.turn += 1
+        return out
+    measure.turn = 0
+    out = bench.compare_rounds("small", None, 3, lambda *a: None, measure=measure)
+    assert [r["floor"] for r in out["rounds_small"]] == pytest.approx([0.5, 0.6, 0.7])
+    out = bench.compare_rounds("small", None, 3, lambda *a: None, measure=measure,
+                               floor_rounds=0)
+    assert all("floor" not in r for r in out["rounds_small"])
     assert [r["labkit"] / r["trl"] for r in out["rounds_small"]] == [0.5, 0.5, 0.5]
     assert out["labkit_small"]["step_s"] == [1.0] * 9  # the stray round's steps are gone
 
@@ -583,3 +607,159 @@ def test_the_bench_bar_counts_its_workers_and_names_the_stage(capsys):
     quiet.counted(lambda *a: None)("memory", None)
     quiet.close()
     assert capsys.readouterr().err == ""
+
+
+# --- intervals over rounds, verdicts, and pooling runs ---------------------------------------
+
+T975_DF2 = 4.302653  # two-sided 95% Student t quantile, 2 degrees of freedom (printed tables)
+
+
+def _round_results(rounds, floors=None):
+    """Workers' results for `summarize`: `rounds` [(labkit s, TRL s), ...] on both configs,
+    and `floors` (one per round) under labkit's steps where given."""
+    results = {}
+    for label in ("tiny", "small"):
+        ours = {"step_s": [a for a, _ in rounds], "rollout_s": [0.1], "update_s": [0.1]}
+        if floors is not None:
+            ours |= {"floor_s": floors, "floor_products_s": floors, "floor_others_s": [0.0],
+                     "floor_ops": [10], "floor_products": [4]}
+        results[f"labkit_{label}"] = ours
+        results[f"trl_{label}"] = {"step_s": [b for _, b in rounds]}
+        results[f"rounds_{label}"] = [{"labkit": a, "trl": b, "rerun": False}
+                                      | ({} if floors is None else {"floor": floors[i]})
+                                      for i, (a, b) in enumerate(rounds)]
+    results["rollout"] = {"tokens": 100, "seconds": {"labkit": [1.0], "generate": [2.5]},
+                          "identical": True}
+    for algo, mb in (("grpo", 500.0), ("ppo", 1000.0)):
+        results[f"memory_{algo}"] = {"peak_growth_mb": mb, "completions": ["a"], "tokens": [9],
+                                     "lr": workers.MEMORY_LR}
+    return results
+
+
+def _summarize(results):
+    from types import SimpleNamespace
+
+    args = SimpleNamespace(steps=1, warmup=0, rounds=3, beta=0.04)
+    return report.summarize(results, params=1, device="cpu",
+                            precision={"tiny": "fp32", "small": "fp32"}, args=args)
+
+
+def test_each_step_ratio_has_a_t_interval_over_its_rounds_and_a_verdict():
+    rounds = [(0.36, 1.0), (0.38, 1.0), (0.37, 1.0)]  # tight, all below 0.4: supported
+    summary = _summarize(_round_results(rounds, floors=[0.2, 0.2, 0.2]))
+    logs = [math.log(a / b) for a, b in rounds]
+    mean = sum(logs) / 3
+    half = T975_DF2 * np.std(logs, ddof=1) / math.sqrt(3)
+    found = summary["trl_step_ratio_small_interval"]
+    assert found["mean"] == pytest.approx(math.exp(mean))
+    assert (found["low"], found["high"]) == (pytest.approx(math.exp(mean - half), rel=1e-5),
+                                             pytest.approx(math.exp(mean + half), rel=1e-5))
+    assert found["n"] == 3 and "rounds" in found["method"]
+    assert summary["targets_verdict"]["trl_step_ratio_small"] == "supported"
+    assert summary["targets_verdict"]["trl_step_ratio_tiny"] == "supported"  # <= 0.6 too
+    # the step over its floor, round by round: 1.8-1.9x, all above 1.25: refuted
+    assert summary["floor_multiple_small_rounds"] == pytest.approx([1.8, 1.9, 1.85])
+    assert summary["targets_verdict"]["floor_multiple_small"] == "refuted"
+    assert summary["targets_met"]["floor_multiple_small"] is False
+    table = report.table(summary)
+    assert "trl_step_ratio_small over rounds: 0.370 [" in table and "supported" in table
+
+
+@pytest.mark.parametrize("rounds, verdict", [
+    ([(0.30, 1.0), (0.55, 1.0), (0.45, 1.0)], "inconclusive at this budget"),  # straddles 0.4
+    ([(0.50, 1.0), (0.52, 1.0), (0.51, 1.0)], "refuted"),
+])
+def test_a_ratio_whose_rounds_straddle_or_miss_the_target_is_not_supported(rounds, verdict):
+    summary = _summarize(_round_results(rounds))
+    assert summary["targets_verdict"]["trl_step_ratio_small"] == verdict
+    assert "floor_multiple_small" not in summary["targets_met"]  # no floor measured
+
+
+def _summary_for_pool(tiny, small, capability="AVX2", floor=None, **extra):
+    out = {"trl_step_ratio_tiny": tiny, "trl_step_ratio_small": small,
+           "rollout_speedup_small": 2.5, "grpo_ppo_memory_ratio": 0.589,
+           "labkit_step_s_small": 4.0, "cpu_capability": capability, "precision": "fp32",
+           "precision_tiny": "fp32", "device": "cpu", "mode": "quick"} | extra
+    if floor is not None:
+        out["floor_s_small"] = floor
+    return out
+
+
+def test_pooling_runs_gives_each_target_figure_its_interval_over_runs():
+    tiny = [0.55, 0.62, 0.58, 0.60]
+    runs = [_summary_for_pool(t, 0.36 + 0.005 * i) for i, t in enumerate(tiny)]
+    pooled = report.pool(runs, [f"run{i}.json" for i in range(4)])
+    f = pooled["figures"]["trl_step_ratio_tiny"]
+    logs = [math.log(t) for t in tiny]
+    half = 3.182446 * np.std(logs, ddof=1) / 2  # df = 3
+    assert f["values"] == tiny and f["n"] == 4 and "runs" in f["method"]
+    assert (f["low"], f["high"]) == (pytest.approx(math.exp(np.mean(logs) - half), rel=1e-5),
+                                     pytest.approx(math.exp(np.mean(logs) + half), rel=1e-5))
+    assert f["verdict"] == "inconclusive at this budget" and f["target"] == "<= 0.6"
+    assert pooled["figures"]["trl_step_ratio_small"]["verdict"] == "supported"
+    assert pooled["figures"]["rollout_speedup_small"]["verdict"] == "supported"  # >= 2, no spread
+    assert "floor_multiple_small" not in pooled["figures"]  # no run measured the floor
+    assert pooled["runs"] == 4 and pooled["cpu_capability"] == "AVX2"
+    assert "trl_step_ratio_tiny" in report.pool_table(pooled)
+
+
+def test_pooling_takes_the_floor_multiple_from_runs_that_measured_the_floor():
+    runs = [_summary_for_pool(0.6, 0.38, floor=2.5), _summary_for_pool(0.6, 0.38),
+            _summary_for_pool(0.6, 0.38, floor=3.0, floor_multiple_small=4.0 / 3.0)]
+    f = report.pool(runs, ["a", "b", "c"])["figures"]["floor_multiple_small"]
+    assert f["values"] == pytest.approx([1.6, 4.0 / 3.0]) and f["n"] == 2
+
+
+@pytest.mark.parametrize("second, field", [
+    (_summary_for_pool(0.6, 0.4, capability="AVX512"), "cpu_capability"),
+    (_summary_for_pool(0.6, 0.4, precision="bf16"), "precision"),
+])
+def test_runs_of_other_machines_or_precisions_are_not_pooled(second, field):
+    with pytest.raises(ValueError, match=f"different {field}.*b.json: "):
+        report.pool([_summary_for_pool(0.6, 0.4), second], ["a.json", "b.json"])
+
+
+def test_pooling_needs_two_runs():
+    with pytest.raises(ValueError, match="at least 2 runs"):
+        report.pool([_summary_for_pool(0.6, 0.4)], ["a.json"])
+
+
+def test_pool_reads_out_files_and_saved_outputs_end_to_end(tmp_path):
+    first, second = _summary_for_pool(0.55, 0.38), _summary_for_pool(0.65, 0.36)
+    (tmp_path / "one.json").write_text(json.dumps(first, indent=1))
+    # the bench's printed output: the table, then the JSON line
+    (tmp_path / "two.log").write_text("comparison  labkit  peer\n{not json\n"
+                                      + json.dumps(second) + "\n")
+    done = in_process("bench", "--pool", tmp_path / "one.json", tmp_path / "two.log")
+    assert done.returncode == 0, done.stderr
+    pooled = json.loads(done.stdout.strip().splitlines()[-1])
+    assert pooled["figures"]["trl_step_ratio_tiny"]["values"] == [0.55, 0.65]
+    assert pooled["files"][1].endswith("two.log")
+
+
+@pytest.mark.parametrize("content, message", [(None, "no such file"),
+                                               ("progress only\n", "holds no bench summary")])
+def test_pool_says_which_file_it_cannot_read(tmp_path, content, message):
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps(_summary_for_pool(0.6, 0.4)))
+    bad = tmp_path / "bad.log"
+    if content is not None:
+        bad.write_text(content)
+    done = in_process("bench", "--pool", good, bad)
+    assert done.returncode == 2 and message in done.stderr and "bad.log" in done.stderr
+
+
+def test_out_to_a_folder_is_refused_before_anything_is_measured(tmp_path, monkeypatch):
+    monkeypatch.setattr(bench, "run", lambda args: pytest.fail("measured despite a bad --out"))
+    done = in_process("bench", "--out", tmp_path)
+    assert done.returncode == 2 and "--out" in done.stderr and "folder" in done.stderr
+
+
+def test_out_writes_the_summary_it_prints(tmp_path, monkeypatch):
+    summary = _summarize(_round_results([(0.36, 1.0), (0.38, 1.0), (0.37, 1.0)]))
+    monkeypatch.setattr(bench, "run", lambda args: summary)
+    out = tmp_path / "runs" / "bench.json"
+    done = in_process("bench", "--out", out)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(out.read_text()) == json.loads(done.stdout.strip().splitlines()[-1])
+    assert report.read_summary(out)["trl_step_ratio_small"] == summary["trl_step_ratio_small"]

@@ -41,6 +41,21 @@ def test_ratio_interval_is_a_geometric_mean():
     assert found.low < 4.0 < found.high
 
 
+def test_geometric_interval_is_the_t_interval_of_logs_exponentiated():
+    ratios = [0.52, 0.61, 0.58, 0.70]
+    found = stats.geometric_interval(ratios, unit="runs")
+    logs = [math.log(r) for r in ratios]
+    low, high = plain_t_interval(logs, 3.182446)  # df = 3, from a printed table
+    assert found.mean == pytest.approx(math.exp(sum(logs) / len(logs)))
+    assert (found.low, found.high) == (pytest.approx(math.exp(low), rel=1e-5),
+                                       pytest.approx(math.exp(high), rel=1e-5))
+    assert found.n == 4 and "runs" in found.method
+    assert stats.ratio_interval([1.04, 1.22], [2.0, 2.0]).mean == pytest.approx(
+        stats.geometric_interval([0.52, 0.61]).mean)
+    with pytest.raises(ValueError, match="positive"):
+        stats.geometric_interval([0.5, 0.0])
+
+
 def test_one_seed_has_no_interval_and_no_verdict():
     found = stats.mean_interval([0.5])
     assert math.isnan(found.low) and "no interval" in found.method

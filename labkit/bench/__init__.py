@@ -26,7 +26,10 @@ model load, its own allocator), one after another, never two at once:
   step, to show how much of a step's time any implementation of its operations must spend
   (the full bench, every round; `--quick` leaves it out, `--floor` adds it).
 
-The last line printed is one JSON object (`report.summarize`).
+The last line printed is one JSON object (`report.summarize`): each figure against its
+target (`report.TARGETS`), and each step ratio's 95% interval over the rounds with its
+verdict. `--out FILE` also writes it to FILE; `--pool FILE ...` measures nothing and pools
+several runs' summaries into each target figure's interval over the runs (`report.pool`).
 
 The modules: `inputs` (the work, the small model, the prompts), `timing` (labkit's steps
 timed through `labkit.trainer.Trainer`), `floor` (`step_floor`), `workers` (each measurement
@@ -38,6 +41,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -46,7 +50,7 @@ from pathlib import Path
 
 from labkit.bench.inputs import (QWEN_05B, SMALL, TEST_SMALL, Work, bench_precision,
                                  build_small_model, long_prompts, tiny_prompts)
-from labkit.bench.report import summarize, table
+from labkit.bench.report import pool, pool_table, read_summary, summarize, table
 from labkit.bench.workers import run_worker
 
 
@@ -241,7 +245,8 @@ def compare_rounds(label: str, work: Work, rounds: int, say, measure=None,
     """labkit and TRL take turns on `work`, `rounds` times, so a slow spell of a shared
     machine falls on both sides; a round that strays (OUTLIER) is run again once and
     replaces the stray. Returns {"labkit_<label>": pooled step figures, "trl_<label>": ...,
-    "rounds_<label>": [{"labkit": median step, "trl": ..., "rerun": bool}, ...]}.
+    "rounds_<label>": [{"labkit": median step, "trl": ..., "rerun": bool, "floor": the
+    round's step floor where measured}, ...]}.
     `measure(side, work, **options)` runs one side (default: its own worker process); labkit's
     side measures its step floor in the first `floor_rounds` rounds (all when None), with
     options {"floor": bool}."""
@@ -271,7 +276,10 @@ def compare_rounds(label: str, work: Work, rounds: int, say, measure=None,
                 out[f"{side}_{label}"].setdefault(key, []).extend(values)
     out[f"rounds_{label}"] = [{"labkit": statistics.median(m["labkit"]["step_s"]),
                                "trl": statistics.median(m["trl"]["step_s"]),
-                               "rerun": turn in reruns} for turn, m in enumerate(done)]
+                               "rerun": turn in reruns}
+                              | ({"floor": m["labkit"]["floor_s"][0]}
+                                 if "floor_s" in m["labkit"] else {})
+                              for turn, m in enumerate(done)]
     return out
 
 
@@ -333,10 +341,37 @@ def add_parser(sub) -> None:
                           "and a short sweep, to check the command; qwen0.5b: Qwen2.5-0.5B's "
                           "shapes, random weights (for a GPU: scripts/gpu_check.sh)")
     cmd.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    cmd.add_argument("--out", default=None, metavar="FILE",
+                     help="also write the JSON summary to FILE (for --pool)")
+    cmd.add_argument("--pool", nargs="+", default=None, metavar="FILE",
+                     help="measure nothing: pool earlier runs of one kind of machine (files "
+                          "written by --out, or the bench's saved output) into each target "
+                          "figure's 95%% interval over the runs and its verdict")
 
 
 def main_bench(args) -> int:
+    if getattr(args, "pool", None):
+        names = list(args.pool)
+        pooled = pool([read_summary(name) for name in names], names)
+        print(pool_table(pooled))
+        print(json.dumps(pooled))
+        return 0
+    out = Path(args.out) if getattr(args, "out", None) else None
+    if out is not None:
+        check_out(out)
     summary = run(args)
     print(table(summary))
     print(json.dumps(summary))
+    if out is not None:
+        out.write_text(json.dumps(summary, indent=1) + "\n")
     return 0
+
+
+def check_out(path: Path) -> None:
+    """--out must name a file that can be written, checked before any measuring: its folder
+    is made, and a folder at the path or a place this process cannot write is refused."""
+    if path.is_dir():
+        raise ValueError(f"--out {path} is a folder: give a file name (e.g. {path}/bench.json)")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not os.access(path if path.exists() else path.parent, os.W_OK):
+        raise ValueError(f"--out {path}: this process may not write there")

@@ -3,10 +3,21 @@ summary), and the table printed above it."""
 
 from __future__ import annotations
 
+import json
 import statistics
+from pathlib import Path
 
-TARGETS = {"trl_step_ratio_tiny": ("<=", 0.25), "trl_step_ratio_small": ("<=", 0.5),
-           "rollout_speedup_small": (">=", 1.5), "grpo_ppo_memory_ratio": ("<=", 0.75)}
+from labkit.stats import Interval, geometric_interval, verdict
+
+TARGETS = {"trl_step_ratio_tiny": ("<=", 0.6), "trl_step_ratio_small": ("<=", 0.4),
+           "floor_multiple_small": ("<=", 1.25), "rollout_speedup_small": (">=", 2.0),
+           "grpo_ppo_memory_ratio": ("<=", 0.6)}
+"""The figure each target reads and its bound: labkit's GRPO step at most 0.6x TRL's on the
+embedded model and 0.4x on the small one, the small step within 1.25x of its own floor
+(where the floor was measured), the rollout at least 2x `model.generate`'s tokens/s, GRPO's
+peak memory at most 0.6x PPO's. `targets_met` reads each figure of one run against its
+bound; `targets_verdict` reads the 95% interval over the run's rounds (the step ratios and
+the floor multiple), and `pool` the interval over several runs."""
 
 
 def median(values) -> float:
@@ -57,7 +68,8 @@ def summarize(results: dict, *, params: int, device: str, precision: dict, args)
         "beta": args.beta, "torch_threads": _threads(),
     }
     for label in ("tiny", "small"):
-        summary |= _floor_figures(results[f"labkit_{label}"], label, step[f"trl_{label}"])
+        summary |= _floor_figures(results[f"labkit_{label}"], label, step[f"labkit_{label}"],
+                                  step[f"trl_{label}"])
     for label in ("tiny", "small"):
         summary |= _round_figures(results.get(f"rounds_{label}"), label)
     if results.get("scaling"):
@@ -65,11 +77,26 @@ def summarize(results: dict, *, params: int, device: str, precision: dict, args)
         summary["consistency"] = consistency(summary["labkit_step_s_small"],
                                              results["scaling"],
                                              **results.get("scaling_shape", {}))
-    summary["targets_met"] = {key: (summary[key] <= bound if op == "<=" else summary[key] >= bound)
-                              for key, (op, bound) in TARGETS.items()}
+    summary["targets_met"] = {key: meets(summary[key], key) for key in TARGETS if key in summary}
     # unequal work is no comparison: the memory target needs the same completions both sides
     summary["targets_met"]["grpo_ppo_memory_ratio"] &= summary["memory_same_completions"]
+    summary["targets_verdict"] = {key: target_verdict(Interval(**summary[f"{key}_interval"]),
+                                                      key)
+                                  for key in TARGETS if f"{key}_interval" in summary}
     return summary
+
+
+def meets(value: float, key: str) -> bool:
+    """Whether one value of figure `key` lies on its target's side (`TARGETS`)."""
+    op, bound = TARGETS[key]
+    return value <= bound if op == "<=" else value >= bound
+
+
+def target_verdict(interval: Interval, key: str) -> str:
+    """`labkit.stats.verdict` of an interval of figure `key` against its target: supported
+    when the whole interval meets it."""
+    op, bound = TARGETS[key]
+    return verdict(interval, below=bound) if op == "<=" else verdict(interval, above=bound)
 
 
 def _lora_figures(results: dict) -> dict:
@@ -121,20 +148,31 @@ def rounds_to_stable(ratios: list[float]) -> int:
 
 
 def _round_figures(rounds: list[dict] | None, label: str) -> dict:
-    """Each round's labkit / TRL ratio of median steps, their spread, and how many rounds
-    the running median needed to settle (`rounds_to_stable`)."""
+    """Each round's labkit / TRL ratio of median steps, their spread, their geometric mean
+    with its 95% interval over the rounds (`labkit.stats.geometric_interval`), and how many
+    rounds the running median needed to settle (`rounds_to_stable`); where every round
+    measured the floor, each round's labkit step over its floor likewise."""
     if not rounds:
         return {}
     ratios = [r["labkit"] / r["trl"] for r in rounds]
-    return {f"trl_step_ratio_{label}_rounds": ratios,
-            f"trl_step_ratio_{label}_spread": {"min": min(ratios), "median": median(ratios),
-                                               "max": max(ratios)},
-            f"rounds_rerun_{label}": sum(r["rerun"] for r in rounds),
-            f"rounds_to_stable_{label}": rounds_to_stable(ratios)}
+    out = {f"trl_step_ratio_{label}_rounds": ratios,
+           f"trl_step_ratio_{label}_spread": {"min": min(ratios), "median": median(ratios),
+                                              "max": max(ratios)},
+           f"trl_step_ratio_{label}_interval":
+               geometric_interval(ratios, unit="rounds").to_dict(),
+           f"rounds_rerun_{label}": sum(r["rerun"] for r in rounds),
+           f"rounds_to_stable_{label}": rounds_to_stable(ratios)}
+    if all("floor" in r for r in rounds):
+        multiples = [r["labkit"] / r["floor"] for r in rounds]
+        out |= {f"floor_multiple_{label}_rounds": multiples,
+                f"floor_multiple_{label}_interval":
+                    geometric_interval(multiples, unit="rounds").to_dict()}
+    return out
 
 
-def _floor_figures(ours: dict, label: str, trl_step_s: float) -> dict:
-    """The floor under labkit's step on config `label` (see `step_floor`), if measured."""
+def _floor_figures(ours: dict, label: str, step_s: float, trl_step_s: float) -> dict:
+    """The floor under labkit's step on config `label` (see `step_floor`), if measured: its
+    parts, its share of TRL's step and labkit's step over it (`floor_multiple_<label>`)."""
     if "floor_s" not in ours:
         return {}
     out = {f"{key}_{label}": median(ours[key])
@@ -143,6 +181,7 @@ def _floor_figures(ours: dict, label: str, trl_step_s: float) -> dict:
     if "floor_replay_mb" in ours:
         out[f"floor_replay_mb_{label}"] = median(ours["floor_replay_mb"])
     out[f"floor_ratio_{label}"] = out[f"floor_s_{label}"] / trl_step_s
+    out[f"floor_multiple_{label}"] = step_s / out[f"floor_s_{label}"]
     return out
 
 
@@ -188,9 +227,11 @@ def table(summary: dict) -> str:
     lines = [f"{'comparison':<44}{'labkit':>14}{'peer':>26}{'ratio':>8}  target",
              "-" * 104]
     for label, ours, peer, key in rows:
-        op, bound = TARGETS[key]
-        mark = "met" if s["targets_met"][key] else "MISSED"
-        lines.append(f"{label:<44}{ours:>14}{peer:>26}{s[key]:>8.3f}  {op} {bound} {mark}")
+        lines.append(f"{label:<44}{ours:>14}{peer:>26}{s[key]:>8.3f}  {_target(s, key)}")
+    if "floor_multiple_small" in s:
+        ours, floor = f"{s['labkit_step_s_small']:.3f} s", f"{s['floor_s_small']:.3f} s (floor)"
+        lines.append(f"{'GRPO step, small, over its floor (below)':<44}{ours:>14}{floor:>26}"
+                     f"{s['floor_multiple_small']:>8.3f}  {_target(s, 'floor_multiple_small')}")
     if "lora_full_memory_ratio" in s:
         lines.append(f"{'peak memory, small, GRPO LoRA vs full':<44}"
                      f"{s['lora_peak_mb']:>11.0f} MB{s['full_peak_mb']:>14.0f} MB (full FT)"
@@ -211,6 +252,12 @@ def table(summary: dict) -> str:
                          f"({s[f'rounds_rerun_{label}']} round(s) run again; the running "
                          f"median settled within {100 * STABLE:.0f}% after "
                          f"{s[f'rounds_to_stable_{label}']})")
+    for key in TARGETS:
+        if key in s.get("targets_verdict", {}):
+            found = Interval(**s[f"{key}_interval"])
+            op, bound = TARGETS[key]
+            lines.append(f"{key} over rounds: {found.format()} ({found.method}); "
+                         f"{op} {bound}: {s['targets_verdict'][key]}")
     check = s.get("consistency") or {}
     if check.get("agree") is False:
         same = ", ".join(f"{x:.3f}" for x in check["scaling_step_s"])
@@ -236,8 +283,13 @@ def _floor_lines(s: dict) -> list[str]:
             f"{s[f'floor_products_s_{label}']:.4f} s + "
             f"{s[f'floor_ops_{label}'] - s[f'floor_products_{label}']:,} other operations "
             f"{s[f'floor_others_s_{label}']:.4f} s); labkit's step is "
-            f"{s[f'labkit_step_s_{label}'] / s[f'floor_s_{label}']:.2f}x its floor")
+            f"{s[f'floor_multiple_{label}']:.2f}x its floor")
     return lines
+
+
+def _target(s: dict, key: str) -> str:
+    op, bound = TARGETS[key]
+    return f"{op} {bound} {'met' if s['targets_met'][key] else 'MISSED'}"
 
 
 def _scaling_lines(s: dict) -> list[str]:
@@ -258,3 +310,83 @@ def _scaling_lines(s: dict) -> list[str]:
         lines.append(f"prompt-shared update vs plain (prompt G times): "
                      f"{s['prompt_shared_update_speedup']:.2f}x faster")
     return lines
+
+
+# --- several runs: `python -m labkit bench --pool FILE ...` -------------------------------------
+
+SAME_MACHINE = ("cpu_capability", "precision", "precision_tiny", "device")
+"""Fields that must agree between pooled runs: one kind of machine, one precision."""
+
+
+def read_summary(path) -> dict:
+    """A bench run's JSON summary from `path`: a file holding it (`--out`), or the bench's
+    printed output, whose last line that parses as a JSON object is the summary."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"--pool: no such file: {path}")
+    text = path.read_text()
+    candidates = [text] + [line for line in reversed(text.splitlines())
+                           if line.lstrip().startswith("{")]
+    for candidate in candidates:
+        try:
+            found = json.loads(candidate)
+        except ValueError:
+            continue
+        if isinstance(found, dict) and "trl_step_ratio_small" in found:
+            return found
+    raise ValueError(f"--pool: {path} holds no bench summary (the JSON line `python -m labkit "
+                     "bench` prints last, or the file its --out writes)")
+
+
+def _figure(summary: dict, key: str) -> float | None:
+    """Figure `key` of one run; the floor multiple also from a summary that only has the
+    floor (written before the key existed)."""
+    if key in summary:
+        return summary[key]
+    if key.startswith("floor_multiple_"):
+        label = key.removeprefix("floor_multiple_")
+        if f"floor_s_{label}" in summary:
+            return summary[f"labkit_step_s_{label}"] / summary[f"floor_s_{label}"]
+    return None
+
+
+def pool(summaries: list[dict], names: list[str]) -> dict:
+    """The target figures over several bench runs on one kind of machine: for each figure
+    its value in each run, their geometric mean with the 95% t interval of their logs over
+    the runs, and the verdict against its target (`labkit.stats.verdict`)."""
+    if len(summaries) < 2:
+        raise ValueError(f"--pool needs at least 2 runs to give an interval, got {len(summaries)}")
+    for field in SAME_MACHINE:
+        seen = {str(s.get(field)) for s in summaries}
+        if len(seen) > 1:
+            which = ", ".join(f"{n}: {s.get(field)}" for n, s in zip(names, summaries))
+            raise ValueError(f"--pool: runs with different {field} cannot be pooled ({which}); "
+                             "pool the runs of one kind of machine and precision")
+    figures = {}
+    for key, (op, bound) in TARGETS.items():
+        values = [v for v in (_figure(s, key) for s in summaries) if v is not None]
+        if not values:
+            continue
+        found = geometric_interval(values, unit="runs")
+        figures[key] = {"values": values, "target": f"{op} {bound}",
+                        "verdict": target_verdict(found, key), **found.to_dict()}
+    first = summaries[0]
+    return {"runs": len(summaries), "files": list(names),
+            **{field: first.get(field) for field in SAME_MACHINE},
+            "modes": sorted({str(s.get("mode", "full")) for s in summaries}),
+            "figures": figures}
+
+
+def pool_table(pooled: dict) -> str:
+    """The human-readable form of `pool`'s result."""
+    lines = [f"{pooled['runs']} bench runs pooled: CPU capability {pooled['cpu_capability']}, "
+             f"precision tiny {pooled['precision_tiny']}, small {pooled['precision']}, "
+             f"device {pooled['device']}, mode {' + '.join(pooled['modes'])}",
+             f"{'figure':<24}{'target':>9}{'runs':>6}  {'geometric mean [95% interval]':<32}"
+             "verdict", "-" * 100]
+    for key, f in pooled["figures"].items():
+        found = Interval(**{k: f[k] for k in ("mean", "low", "high", "n", "method",
+                                                "confidence")})
+        lines.append(f"{key:<24}{f['target']:>9}{f['n']:>6}  {found.format():<32}{f['verdict']}")
+        lines.append(f"{'':<24}values: " + ", ".join(f"{v:.3f}" for v in f["values"]))
+    return "\n".join(lines)
