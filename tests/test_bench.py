@@ -430,6 +430,8 @@ def test_compare_rounds_reruns_a_stray_round_once_and_reports_each_round():
     busy.add(("labkit", 1))
     out = bench.compare_rounds("small", None, 3, lambda *a: None, measure=measure)
     assert [r["rerun"] for r in out["rounds_small"]] == [False, True, False]
+    assert [r["labkit"] / r["trl"] for r in out["rounds_small"]] == [0.5, 0.5, 0.5]
+    assert out["labkit_small"]["step_s"] == [1.0] * 9  # the stray round's steps are gone
 
 
 def test_each_round_keeps_the_floor_its_labkit_side_measured():
@@ -447,8 +449,6 @@ def test_each_round_keeps_the_floor_its_labkit_side_measured():
     out = bench.compare_rounds("small", None, 3, lambda *a: None, measure=measure,
                                floor_rounds=0)
     assert all("floor" not in r for r in out["rounds_small"])
-    assert [r["labkit"] / r["trl"] for r in out["rounds_small"]] == [0.5, 0.5, 0.5]
-    assert out["labkit_small"]["step_s"] == [1.0] * 9  # the stray round's steps are gone
 
 
 def test_the_comparison_and_the_scaling_table_must_agree_on_the_same_shape():
