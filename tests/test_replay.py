@@ -193,6 +193,26 @@ def test_a_recording_holds_the_bytes_it_announces(tiny, every_model):
                                         torch.float32)
 
 
+def test_a_pass_over_every_row_reads_the_buffers_and_never_a_step_that_did_not_run(
+        tiny, every_model):
+    model, tokenizer = _model("llama-gqa", tiny[1]), tiny[1]
+    batch = rollout(model, tokenizer, PROMPTS, group_size=2, max_new_tokens=5, seed=2,
+                    keep_outputs=True)
+    rec = batch.recording
+    ran = batch.completion_ids.shape[1] - 1
+    assert rec.ran == ran
+    with pytest.raises(ValueError, match=f"{ran + 1} completion positions.*{ran} decode steps"):
+        rec.completion_pass(torch.arange(rec.rows), ran + 1)
+    # a share of the rows is a copy; the recording keeps its buffers for a later pass
+    share = rec.completion_pass(torch.tensor([1, 2]), ran)
+    first = rec.completion[0][0]
+    assert share.layers[0][0].data_ptr() != first.data_ptr() and not rec.spent
+    assert torch.equal(share.layers[0][0], first[[1, 2], :ran])
+    whole = rec.completion_pass(torch.arange(rec.rows), ran)
+    assert whole.layers[0][0].data_ptr() == first.data_ptr()  # no copy
+    assert rec.spent and rec.completion == []
+
+
 def test_nothing_is_kept_where_it_cannot_serve(tiny, monkeypatch):
     model, tokenizer = tiny
     small = rollout(model, tokenizer, PROMPTS, group_size=2, max_new_tokens=4, seed=0,

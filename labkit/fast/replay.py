@@ -54,10 +54,11 @@ def weights_key(model) -> tuple:
 class Recording:
     """A rollout's per-layer outputs: B prompts of P positions and N = B*G rows of up to
     T - 1 decode steps, in buffers reserved when the decoder starts (ordinary tensors, so
-    that autograd can take them up after a rollout run in inference mode; zero where a step
-    never ran). A decode step's buffers are held step by step, (steps, N, width), so that
-    keeping a step's output is one contiguous copy; the update's pass takes them row by row,
-    (N, steps, width), one copy per layer and kind (`completion_pass`). The decoder hands
+    that autograd can take them up after a rollout run in inference mode). The decode
+    steps' buffers are held row by row, (N, steps, width), as the update's pass takes them:
+    keeping a step's output is one copy of N runs of `width` values, and a pass over every
+    row and step reads the buffers themselves (`completion_pass`). The buffers are not
+    cleared: what a step that never ran would hold is never read (`ran`). The decoder hands
     each output to `sink(layer)` and the logits to `keep_logits`; `at` is None during the
     prefill, else the decode step."""
 
@@ -65,13 +66,15 @@ class Recording:
                  widths: tuple[int, ...], vocab: int, device):
         self.model, self.dtype, self.key = model, dtype, weights_key(model)
         self.rows, self.steps, self.at = rows, steps, None
+        self.ran = 0
+        """Decode steps kept so far."""
         self.spent = False
         self._shape, self._widths, self._device = (prompts, prompt_width), widths, device
         self.prompt: list[list[Tensor]] = []
         self.completion: list[list[Tensor]] = []
-        """Per layer and kind the decode steps' outputs, (steps, N, width)."""
+        """Per layer and kind the decode steps' outputs, (N, steps, width)."""
         self.prompt_logits = torch.empty(prompts, vocab, dtype=dtype, device=device)
-        self.step_logits = torch.zeros(rows, steps, vocab, dtype=dtype, device=device)
+        self.step_logits = torch.empty(rows, steps, vocab, dtype=dtype, device=device)
 
     @staticmethod
     def size_bytes(layers: int, prompts: int, prompt_width: int, rows: int, steps: int,
@@ -89,7 +92,7 @@ class Recording:
         dtypes = [torch.float32 if kind in ("mid", "out") else self.dtype for kind in KINDS]
         self.prompt.append([torch.empty(*self._shape, width, dtype=dtype, device=self._device)
                             for width, dtype in zip(self._widths, dtypes)])
-        self.completion.append([torch.zeros(self.steps, self.rows, width, dtype=dtype,
+        self.completion.append([torch.empty(self.rows, self.steps, width, dtype=dtype,
                                             device=self._device)
                                 for width, dtype in zip(self._widths, dtypes)])
 
@@ -102,7 +105,7 @@ class Recording:
             if self.at is None:
                 prompt[kind].copy_(output)
             else:
-                completion[kind][self.at].copy_(output)
+                completion[kind][:, self.at].copy_(output)
         return keep
 
     def keep_logits(self, logits: Tensor) -> None:
@@ -112,6 +115,7 @@ class Recording:
             self.prompt_logits.copy_(logits)
         else:
             self.step_logits[:, self.at].copy_(logits)
+            self.ran = max(self.ran, self.at + 1)
 
     def serves(self, model, dtype) -> bool:
         """Whether the outputs are still `model`'s in `dtype`: the model that was recorded,
@@ -130,15 +134,15 @@ class Recording:
         update makes one such pass before its weights move (a later pass computes), and the
         pass lets each layer's buffers go once it has run the layer (`backbone`), so that
         what its graph does not keep (the raw q, k and v) is freed during the pass."""
-        if width > self.steps:
+        if width > self.ran:
             raise ValueError(f"{width} completion positions asked of a recording of "
-                             f"{self.steps} decode steps")
+                             f"{self.ran} decode steps (of {self.steps} reserved)")
         spend = rows.numel() == self.rows
         layers = []
         for i, kept in enumerate(self.completion):
-            layers.append(tuple(_take(t[:width].transpose(0, 1), rows).contiguous()
-                                for t in kept))
-            if spend:  # each layer's step-major buffers go once their copies are made
+            # every row and step: the buffers themselves, no copy
+            layers.append(tuple(_take(t[:, :width], rows).contiguous() for t in kept))
+            if spend:  # the recording lets go of each layer's buffers as it hands them on
                 self.completion[i] = None
         logits = _take(self.step_logits, rows)[:, :width]
         if spend:
