@@ -225,6 +225,36 @@ def test_the_floor_replays_each_large_weight_on_its_own_tensor_and_small_ones_sh
     assert len(set(tight[:4])) == 3  # two fit in 5 MiB, the other two share the layout's
 
 
+def test_the_floor_replays_a_kv_cache_from_its_own_memory_whatever_its_size():
+    """The decode's attention reads each layer's keys and values: two layers' small caches
+    replay on two buffers, each read at a growing length as views of one buffer; a small
+    input of another product still shares its layout's tensor."""
+    from labkit.bench import floor
+    from labkit.fast import kv
+
+    q = torch.randn(2, 2, 1, 16)
+    caches = [(torch.randn(2, 2, 8, 16), torch.randn(2, 2, 8, 16)) for _ in range(2)]
+    x, w = torch.randn(4, 16), [torch.randn(16, 8) for _ in range(2)]
+
+    def step():
+        with torch.inference_mode():
+            for length in (3, 5):
+                for keys, values in caches:
+                    kv._flash(q, keys[:, :, :length], values[:, :, :length])
+            for m in w:
+                torch.mm(x, m)
+
+    calls, _ = floor.record_products(step)
+    replayed = floor.replay_inputs(calls)
+    keys = [args[1] for _, args, _ in replayed[:4]]
+    assert all(k.numel() * 4 < floor.DISTINCT_MIN_BYTES for k in keys)
+    # (length 3, layer 0), (3, 1), (5, 0), (5, 1): a buffer per layer, shared across lengths
+    assert keys[0].data_ptr() == keys[2].data_ptr() != keys[1].data_ptr() == keys[3].data_ptr()
+    assert keys[2].shape == (2, 2, 5, 16) and keys[0].shape == (2, 2, 3, 16)
+    assert replayed[0][1][2].data_ptr() not in {k.data_ptr() for k in keys}  # the values'
+    assert replayed[4][1][1].data_ptr() == replayed[5][1][1].data_ptr()  # small, one layout
+
+
 def _memory_work():
     from labkit.models import EMBEDDED_PATH
 

@@ -38,7 +38,15 @@ DISTINCT_MIN_BYTES = 1 << 20
 """Inputs from this size up are replayed on one tensor per address the step read them
 from: replaying every layer's product on one weight would keep it in the CPU's caches and
 leave out the memory traffic of reading each layer's own weights, which any implementation
-of the step pays. Smaller inputs stay in the caches anyway and share one tensor per layout."""
+of the step pays. Smaller inputs mostly stay in the caches and share one tensor per layout,
+save a KV cache's (`KV_INPUTS`)."""
+KV_INPUTS = {"_scaled_dot_product_flash_attention_for_cpu": (1, 2)}
+"""Products whose inputs at these positions are a KV cache's keys and values (the decode's
+attention, `labkit.fast.kv`), replayed on one tensor per address whatever their size: a
+decode step reads each layer's cache once, and between two reads of it streams every
+layer's weights, so any implementation reads the cache from memory (on the small model a
+layer's flash call took 2.6-3.6x as long inside a decode step as replayed on inputs that
+stay in the caches, docs/performance.md)."""
 DISTINCT_BUDGET_BYTES = 4 << 30
 """At most this much memory for the replay's distinct large inputs; past it, large inputs
 share one tensor per layout as small ones do (the floor then gets lower, never higher)."""
@@ -53,8 +61,9 @@ def step_floor(run_step, device, replays: int = 5) -> dict:
     (forward, backward and optimizer, in inference mode or not) and records the inputs'
     layouts (shapes, strides, dtypes) of each matrix product. The products are replayed on
     random inputs of those layouts (one tensor per distinct layout, and for inputs of
-    `DISTINCT_MIN_BYTES` or more one per address they were read from; a weight packed by
-    oneDNN is replayed itself), and as many views as the step had other operations are
+    `DISTINCT_MIN_BYTES` or more, and a KV cache's at any size (`KV_INPUTS`), one per
+    address they were read from; a weight packed by oneDNN is replayed itself), and as many
+    views as the step had other operations are
     made by one `unbind`; each figure is the median of `replays` timings. Every operation
     of the step is counted at no more than its cost, and none of the step's Python runs,
     so the step takes longer than `floor_s` (on CUDA, where the host's dispatching
@@ -93,13 +102,14 @@ def record_products(run_step) -> tuple[list, int]:
     if hasattr(torch.ops.mkldnn, "_linear_pointwise"):
         products |= {getattr(torch.ops.mkldnn._linear_pointwise, name)
                      for name in ONEDNN_PRODUCTS}
+    kv_inputs = {getattr(torch.ops.aten, name).default: at for name, at in KV_INPUTS.items()}
     calls, dispatched = [], [0]
 
-    def layout(arg):
+    def layout(arg, by_address: bool):
         if isinstance(arg, torch.Tensor) and arg.is_mkldnn:
             return arg  # a packed weight has no strides to copy: the replay reads it itself
         if isinstance(arg, torch.Tensor):
-            large = arg.numel() * arg.element_size() >= DISTINCT_MIN_BYTES
+            large = by_address or arg.numel() * arg.element_size() >= DISTINCT_MIN_BYTES
             return Layout(tuple(arg.shape), arg.stride(), arg.dtype, arg.device,
                           arg.data_ptr() if large else 0)
         return arg
@@ -108,7 +118,9 @@ def record_products(run_step) -> tuple[list, int]:
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             dispatched[0] += 1
             if func in products:
-                calls.append((func, [layout(a) for a in args], dict(kwargs or {})))
+                kv = kv_inputs.get(func, ())
+                calls.append((func, [layout(a, i in kv) for i, a in enumerate(args)],
+                              dict(kwargs or {})))
             return func(*args, **(kwargs or {}))
 
     with Recorder():
@@ -118,24 +130,40 @@ def record_products(run_step) -> tuple[list, int]:
 
 def replay_inputs(calls: list, budget: int = DISTINCT_BUDGET_BYTES) -> list:
     """The recorded products with random tensors of their inputs' layouts in place of the
-    layouts: one tensor per distinct layout and source address, the large distinct ones
-    within `budget` bytes (beyond it, one per layout)."""
+    layouts: one tensor per distinct layout, and for an input read by address one tensor per
+    address (as long as the most the step read from there, each layout a view of it; a KV
+    cache read at a growing length is one buffer), those within `budget` bytes (beyond it,
+    one per layout)."""
     import torch
 
-    made, spent = {}, [0]
+    def extent(arg: Layout) -> int:  # elements spanned; strides may overlap (a gradient)
+        return 1 + sum((n - 1) * st for n, st in zip(arg.shape, arg.stride) if n > 0)
+
+    longest: dict = {}
+    for _, args, _ in calls:
+        for arg in args:
+            if isinstance(arg, Layout) and arg.source:
+                key = (arg.source, arg.dtype, arg.device)
+                longest[key] = max(longest.get(key, 0), extent(arg))
+    bases, made, spent = {}, {}, [0]
 
     def fresh(arg):
         if not isinstance(arg, Layout):
             return arg
-        extent = 1 + sum((n - 1) * st for n, st in zip(arg.shape, arg.stride) if n > 0)
-        size = extent * torch.empty((), dtype=arg.dtype).element_size()
-        if arg.source and arg not in made and spent[0] + size > budget:
-            arg = arg._replace(source=0)
-        if arg not in made:  # strides may overlap (an expanded gradient)
-            base = torch.empty(extent, dtype=arg.dtype, device=arg.device).normal_()
-            made[arg] = base.as_strided(arg.shape, arg.stride)
-            spent[0] += size if arg.source else 0
-        return made[arg]
+        key = (arg.source, arg.dtype, arg.device)
+        if arg.source and key not in bases:
+            size = longest[key] * torch.empty((), dtype=arg.dtype).element_size()
+            if spent[0] + size <= budget:
+                bases[key] = torch.empty(longest[key], dtype=arg.dtype,
+                                         device=arg.device).normal_()
+                spent[0] += size
+        if arg.source and key in bases:
+            return bases[key].as_strided(arg.shape, arg.stride)
+        shared = arg._replace(source=0)
+        if shared not in made:
+            base = torch.empty(extent(shared), dtype=arg.dtype, device=arg.device).normal_()
+            made[shared] = base.as_strided(arg.shape, arg.stride)
+        return made[shared]
 
     return [(func, [fresh(a) for a in args], kwargs) for func, args, kwargs in calls]
 
