@@ -24,8 +24,9 @@ oneDNN (`labkit.fast.decoder.weight_form`)."""
 
 class Layout(NamedTuple):
     """What a product's replay needs of one tensor input: its layout, and for a large input
-    the address it was read from (0 for a small one), so that products which read different
-    large tensors (a decode step's 8 layers' weights) replay on different tensors."""
+    or a KV cache's the address it was read from (0 for another), so that products which
+    read different memory (a decode step's 8 layers' weights and caches) replay on different
+    tensors."""
 
     shape: tuple
     stride: tuple
@@ -44,9 +45,8 @@ KV_INPUTS = {"_scaled_dot_product_flash_attention_for_cpu": (1, 2)}
 """Products whose inputs at these positions are a KV cache's keys and values (the decode's
 attention, `labkit.fast.kv`), replayed on one tensor per address whatever their size: a
 decode step reads each layer's cache once, and between two reads of it streams every
-layer's weights, so any implementation reads the cache from memory (on the small model a
-layer's flash call took 2.6-3.6x as long inside a decode step as replayed on inputs that
-stay in the caches, docs/performance.md)."""
+layer's weights, so any implementation reads the cache from memory (docs/performance.md,
+"A floor under labkit's step")."""
 DISTINCT_BUDGET_BYTES = 4 << 30
 """At most this much memory for the replay's distinct large inputs; past it, large inputs
 share one tensor per layout as small ones do (the floor then gets lower, never higher)."""

@@ -274,8 +274,9 @@ def table(summary: dict) -> str:
 
 def _floor_lines(s: dict) -> list[str]:
     lines = ["", "floor under labkit's step (`labkit.bench.floor.step_floor`): its matrix products "
-                 "replayed alone (each large input read from its own memory, as in the step), "
-                 "plus its other dispatched operations at the cost of a bare view"]
+                 "replayed alone (each large input and each KV cache read from its own memory, "
+                 "as in the step), plus its other dispatched operations at the cost of a bare "
+                 "view"]
     for label in ("tiny", "small"):
         lines.append(
             f"  {label:<6}{s[f'floor_s_{label}']:.4f} s = {s[f'floor_ratio_{label}']:.3f} of "
