@@ -63,11 +63,11 @@ def step_floor(run_step, device, replays: int = 5) -> dict:
     random inputs of those layouts (one tensor per distinct layout, and for inputs of
     `DISTINCT_MIN_BYTES` or more, and a KV cache's at any size (`KV_INPUTS`), one per
     address they were read from; a weight packed by oneDNN is replayed itself), and as many
-    views as the step had other operations are
-    made by one `unbind`; each figure is the median of `replays` timings. Every operation
-    of the step is counted at no more than its cost, and none of the step's Python runs,
-    so the step takes longer than `floor_s` (on CUDA, where the host's dispatching
-    overlaps the device's products: than the larger of the two)."""
+    views as the step had other operations are made by one `unbind`; each figure is the
+    median of `replays` timings. Every operation of the step is counted at no more than its
+    cost, and none of the step's Python runs, so the step takes longer than `floor_s` (on
+    CUDA, where the host's dispatching overlaps the device's products: than the larger of
+    the two)."""
     import torch
 
     calls, dispatched = record_products(run_step)

@@ -140,7 +140,7 @@ class Recording:
         spend = rows.numel() == self.rows
         layers = []
         for i, kept in enumerate(self.completion):
-            # every row and step: the buffers themselves, no copy
+            # every row and every step that ran: the buffers themselves (no copy)
             layers.append(tuple(_take(t[:, :width], rows).contiguous() for t in kept))
             if spend:  # the recording lets go of each layer's buffers as it hands them on
                 self.completion[i] = None
