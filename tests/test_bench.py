@@ -569,6 +569,37 @@ def test_the_memory_worker_leaves_subnormal_floats_as_it_found_them():
     assert (tiny_normal / 1e3).item() > 0
 
 
+def test_the_memory_baseline_already_holds_the_code_a_trainer_step_imports():
+    """After `import_trainer_code`, building a trainer and running a step import no more of
+    transformers' model classes, accelerate, the answer checker or peft: that code sits in
+    the baseline, the same for GRPO and PPO, and is no part of either peak. A fresh process,
+    so that nothing another test imported hides a module."""
+    program = """
+import json, sys
+from labkit.bench import inputs, workers
+from labkit.bench.timing import labkit_trainer
+from labkit.models import EMBEDDED_PATH
+work = inputs.Work(str(EMBEDDED_PATH), ("1+1=", "2+2="), ("2", "4"), max_new_tokens=4,
+                   steps=1, warmup=0, batch_prompts=1, group_size=2)
+workers.import_trainer_code(work, lora=True)
+before = set(sys.modules)
+trainer = labkit_trainer(work, lora_rank=4, lora_targets="q_proj,v_proj")
+trainer.step(0, work.step_problems(0))
+print(json.dumps({"model": type(trainer.policy).__module__,
+                  "new": sorted(set(sys.modules) - before)}))
+"""
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    packages = {m.split(".")[0] for m in seen["new"] if "." not in m}
+    assert not packages & {"accelerate", "math_verify", "sympy", "peft"}, packages
+    models = [m for m in seen["new"] if m.startswith("transformers.models.")]
+    assert models == [], models
+    assert seen["model"].startswith("transformers.models.")
+
+
 def test_memory_workers_run_with_the_fixed_allocator_threshold_and_others_do_not(monkeypatch):
     seen = {}
 

@@ -144,11 +144,34 @@ def worker_rollout(work: Work) -> dict:
     return {"seconds": seconds, "tokens": sum(map(len, ours)), "identical": same}
 
 
+def import_trainer_code(work: Work, lora: bool = False) -> None:
+    """Import the code that building and stepping a trainer on `work`'s model loads (the
+    trainer, the model's transformers class, the answer checker, peft with `lora`) and probe
+    for CUDA, so that a memory baseline taken next already holds it. Importing the model's
+    class alone grows a process by over 100 MB of libraries' code and data, by a different
+    amount with each install (torch's CUDA build, transformers' version), and by the same
+    amount for GRPO and PPO: counted in both peaks it pulls their ratio towards 1."""
+    import math_verify  # noqa: F401  (labkit.rewards imports it on first use)
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import labkit.trainer  # noqa: F401
+
+    config = AutoConfig.from_pretrained(work.model)
+    AutoModelForCausalLM._model_mapping[type(config)]  # imports the modeling module
+    torch.cuda.is_available()
+    if lora:
+        import peft  # noqa: F401
+
+
 def worker_memory(work: Work, algo: str, **overrides) -> dict:
     """Peak memory growth of building the trainer (`overrides` on its TrainConfig) and
-    running `work.steps` steps at `MEMORY_LR`; each step's completion token count and
+    running `work.steps` steps at `MEMORY_LR`, from a baseline taken once the code they run
+    is imported (`import_trainer_code`); each step's completion token count and
     fingerprint."""
     import torch
+
+    import_trainer_code(work, lora=overrides.get("lora_rank", 0) > 0)
 
     # At MEMORY_LR the critic's zero-initialised value head moves to about 1e-30 in the first
     # step, and from the second on the critic's gradients are subnormal floats, which an x86
