@@ -158,7 +158,9 @@ def import_trainer_code(work: Work, lora: bool = False) -> None:
     import labkit.trainer  # noqa: F401
 
     config = AutoConfig.from_pretrained(work.model)
-    AutoModelForCausalLM._model_mapping[type(config)]  # imports the modeling module
+    classes = AutoModelForCausalLM._model_mapping
+    if type(config) in classes:  # (a model with its own code imports it while building)
+        classes[type(config)]  # imports the modeling module
     torch.cuda.is_available()
     if lora:
         import peft  # noqa: F401
