@@ -407,3 +407,44 @@ def test_the_fixture_copy_is_independent(tmp_path):
     shutil.copy(TINY, tmp_path / "tiny.ipynb")
     shutil.copy(SWEEP, tmp_path / "s.yaml")
     assert sweeps.load_sweep(tmp_path / "s.yaml").notebook == tmp_path / "tiny.ipynb"
+
+
+def _kernel_that_dies_at_start(monkeypatch, times: int, message: str):
+    """papermill.execute_notebook whose first `times` calls raise `message` as nbclient does
+    for a kernel that died before it answered; later calls run the notebook. The calls."""
+    import papermill
+
+    real, calls = papermill.execute_notebook, []
+
+    def execute_notebook(*args, **kwargs):
+        calls.append(args)
+        if len(calls) <= times:
+            raise RuntimeError(message)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(papermill, "execute_notebook", execute_notebook)
+    return calls
+
+
+def test_a_kernel_that_died_before_it_answered_is_started_again(tmp_path, monkeypatch):
+    """As when its port was taken before it bound it: no cell ran, so the run starts another
+    kernel, says so in kernel.log and finishes."""
+    calls = _kernel_that_dies_at_start(monkeypatch, 1, runner.KERNEL_DIED_AT_START)
+    values = check_parameters(TINY, {"steps": "2", "plot": "False"})
+    run_dir = runner.execute(TINY, tmp_path, values, progress=False)
+    assert len(calls) == 2
+    assert json.loads((run_dir / "summary.json").read_text())["score"] == 2.0
+    assert "the kernel died before it answered (start 1 of 3)" in \
+        (run_dir / runner.KERNEL_LOG).read_text()
+
+
+@pytest.mark.parametrize("message, starts", [
+    (runner.KERNEL_DIED_AT_START, runner.KERNEL_STARTS),  # every start: the run fails
+    ("Kernel didn't respond in 60 seconds", 1),  # not a death at start: no second kernel
+])
+def test_a_kernel_start_failure_is_reported_after_its_last_start(tmp_path, monkeypatch,
+                                                                  message, starts):
+    calls = _kernel_that_dies_at_start(monkeypatch, 99, message)
+    with pytest.raises(RunFailed, match=re.escape(f"RuntimeError: {message}")):
+        runner.execute(TINY, tmp_path, {}, progress=False)
+    assert len(calls) == starts

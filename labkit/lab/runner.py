@@ -36,6 +36,12 @@ OUTPUT_NOTEBOOK = "notebook.ipynb"
 PARAMETERS_FILE = "parameters.json"
 SUMMARY = "summary.json"
 KERNEL_LOG = "kernel.log"
+KERNEL_STARTS = 3
+"""How many kernels a run starts before it counts a kernel that died before it answered
+(`KERNEL_DIED_AT_START`) as the run's failure. Such a kernel ran no cell; the usual cause
+is a port taken between the kernel manager choosing it and the kernel binding it
+("Address already in use" in kernel.log), which another start, on other ports, avoids."""
+KERNEL_DIED_AT_START = "Kernel died before replying to kernel_info"
 
 
 @dataclass(frozen=True)
@@ -271,10 +277,19 @@ def execute(notebook: str | Path, run_dir: str | Path, parameters: dict,
     watch = NotebookProgress(run_dir, out, notebook.stem) if progress else None
     try:
         with open(run_dir / KERNEL_LOG, "ab") as log:
-            pm.execute_notebook(str(notebook), str(out), parameters=values, kernel_name=KERNEL,
-                                language="python", progress_bar=False,
-                                cwd=str(notebook.parent),
-                                kernel_manager_class=_kernel_manager_class(log))
+            for start in range(1, KERNEL_STARTS + 1):
+                try:
+                    pm.execute_notebook(str(notebook), str(out), parameters=values,
+                                        kernel_name=KERNEL, language="python",
+                                        progress_bar=False, cwd=str(notebook.parent),
+                                        kernel_manager_class=_kernel_manager_class(log))
+                    break
+                except RuntimeError as e:
+                    if str(e) != KERNEL_DIED_AT_START or start == KERNEL_STARTS:
+                        raise
+                    log.write(f"[labkit] the kernel died before it answered (start {start} of "
+                              f"{KERNEL_STARTS}): starting another\n".encode())
+                    log.flush()
     except (PapermillExecutionError, DeadKernelError, CellTimeoutError, NoSuchKernel,
             RuntimeError) as e:
         if out.is_file():
