@@ -116,9 +116,13 @@ def _share(config: TrainConfig, mask: Tensor, micro: Tensor, minibatch: Tensor) 
     return len(micro) / len(minibatch)
 
 
-def _optimizer_step(learner: Learner, parameters, optimizer, scheduler, max_norm: float):
+def _optimizer_step(learner: Learner, optimizer, scheduler, max_norm: float):
+    """Clip the gradients of the optimizer's parameters to `max_norm` (when > 0), step, and
+    clear them; the norm before clipping. The optimizer's own list, not a walk over the
+    model's modules: a frozen parameter has no gradient to count."""
     norm = torch.tensor(0.0)
     if max_norm > 0:
+        parameters = [p for group in optimizer.param_groups for p in group["params"]]
         norm = learner.accelerator.clip_grad_norm_(parameters, max_norm)
     optimizer.step()
     scheduler.step()
@@ -243,13 +247,12 @@ def update(config: TrainConfig, learner: Learner, batch: RolloutBatch, rows: Ten
         stats = _minibatch_terms(config, learner, batch, micro_batches, advantages, ref_logp,
                                  old_values, returns, token_weight)
         parallel.sum_grads([m for m in (learner.policy, learner.critic) if m is not None], acc)
-        stats["perf/grad_norm"] = _optimizer_step(learner, learner.policy.parameters(),
-                                                  learner.optimizer, learner.scheduler,
-                                                  config.max_grad_norm)
+        stats["perf/grad_norm"] = _optimizer_step(learner, learner.optimizer,
+                                                  learner.scheduler, config.max_grad_norm)
         batch.recording = None  # the policy has moved: the rollout's outputs no longer hold
         if learner.critic is not None:
-            _optimizer_step(learner, learner.critic.parameters(), learner.critic_optimizer,
-                            learner.critic_scheduler, config.max_grad_norm)
+            _optimizer_step(learner, learner.critic_optimizer, learner.critic_scheduler,
+                            config.max_grad_norm)
         for key, value in stats.items():
             sums[key] += value
         steps += 1

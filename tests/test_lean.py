@@ -206,6 +206,28 @@ def test_weight_form_by_dtype_device_and_cpu(monkeypatch):
     assert form(torch.float32, torch.device("cpu"), large) == "in_out"
 
 
+@pytest.mark.parametrize("held, dtype", [(torch.float32, torch.float32),
+                                         (torch.float32, torch.bfloat16),
+                                         (torch.bfloat16, torch.bfloat16)])
+@pytest.mark.parametrize("form", ["in_out", "out_in"])
+def test_packed_weights_are_each_matrix_scaled_then_stacked(held, dtype, form):
+    from labkit.fast.decoder import _pack
+
+    torch.manual_seed(0)
+    linears = [torch.nn.Linear(24, out, bias=True).to(held) for out in (16, 8, 8)]
+    norm = (torch.rand(24) + 0.5).to(held)
+    scale = 0.125 + 1e-3  # not a power of two: every product rounds
+    packed = _pack(linears, dtype, form, norm, q_scale=scale)
+    with torch.no_grad():  # the plain form: each matrix scaled in turn, cast, then stacked
+        rows = [linears[0].weight * scale * norm] + [m.weight * norm for m in linears[1:]]
+        want = torch.cat([w.to(dtype) for w in rows])
+        bias = torch.cat([linears[0].bias * scale] + [m.bias for m in linears[1:]]).to(dtype)
+    assert packed.matrix.dtype == dtype and packed.form == form
+    assert torch.equal(packed.matrix.t(), want)
+    assert packed.matrix.is_contiguous() == (form == "in_out")
+    assert torch.equal(packed.bias, bias)
+
+
 def test_onednn_packs_only_on_x86_with_onednn(monkeypatch):
     import platform
 

@@ -35,13 +35,20 @@ parameters than this: its weights then sit in the caches and bf16 saves no memor
 while bf16 products of this size run slower than fp32 ones (docs/performance.md)."""
 
 
-def rollout_dtype(model) -> torch.dtype:
+def parameter_count(model) -> int:
+    """The number of the model's parameters (a walk over its modules)."""
+    return sum(p.numel() for p in model.parameters())
+
+
+def rollout_dtype(model, params: int | None = None) -> torch.dtype:
     """The dtype of the rollout's matrix products: autocast's when it is on (except for a
-    small model on a CPU, `CPU_LOW_PRECISION_MIN_PARAMS`), else the model's."""
+    small model on a CPU, `CPU_LOW_PRECISION_MIN_PARAMS`), else the model's. `params`: the
+    model's parameter count, when the caller has it."""
     first = next(model.parameters())
-    if first.device.type == "cpu" and first.dtype == torch.float32 and \
-            sum(p.numel() for p in model.parameters()) < CPU_LOW_PRECISION_MIN_PARAMS:
-        return torch.float32
+    if first.device.type == "cpu" and first.dtype == torch.float32:
+        if (parameter_count(model) if params is None else params) < \
+                CPU_LOW_PRECISION_MIN_PARAMS:
+            return torch.float32
     return compute_dtype(model)
 
 
@@ -59,8 +66,9 @@ def decoder_or(plain: Callable, shared_prefix: bool | None = None,
         shared = shared_prefix
         if shared is None:
             shared = group_size > 1 and prompt_ids.shape[1] >= SHARED_PREFIX_MIN_TOKENS
-        return Decoder(model, dtype or rollout_dtype(model), shared_prefix=shared,
-                       checked=True)
+        params = parameter_count(model)  # counted once a rollout: a walk over the modules
+        return Decoder(model, dtype or rollout_dtype(model, params), shared_prefix=shared,
+                       checked=True, params=params)
     return start
 
 
@@ -76,20 +84,28 @@ def _pack(linears, dtype, form: str, norm_weight: Tensor | None = None,
           q_scale: float | None = None) -> Packed:
     """The linears stacked along their outputs, cast to `dtype`, in `form` (see
     `weight_form`). `norm_weight` (in,) scales W's columns (the RMSNorm before it);
-    `q_scale` scales the first linear's outputs (attention's 1/sqrt(D) on q). Each matrix
-    is scaled in its own dtype and cast before the stacking, so the one full-size copy made
-    is already in `dtype`."""
-    weights, biases = [], []
-    for i, m in enumerate(linears):
-        w, b = m.weight, m.bias
-        if i == 0 and q_scale is not None:
-            w, b = w * q_scale, None if b is None else b * q_scale
+    `q_scale` scales the first linear's outputs (attention's 1/sqrt(D) on q). Weights held
+    in `dtype` (and a norm weight too) are stacked, then scaled by the norm in one
+    operation; others are scaled each in its own dtype and cast before the stacking, so
+    the one full-size copy made is already in `dtype`. Either way every element is
+    multiplied by the same factors in the same order."""
+    first = linears[0]
+    weights = [m.weight for m in linears]
+    biases = [m.bias for m in linears]
+    if q_scale is not None:
+        weights[0] = first.weight * q_scale
+        biases[0] = None if first.bias is None else first.bias * q_scale
+    if all(w.dtype == dtype for w in weights) and \
+            (norm_weight is None or norm_weight.dtype == dtype):
+        weight = weights[0] if len(weights) == 1 else torch.cat(weights)
         if norm_weight is not None:
-            w = w * norm_weight
-        weights.append(w.to(dtype))
-        biases.append(b)
+            weight = weight * norm_weight
+    else:
+        if norm_weight is not None:
+            weights = [w * norm_weight for w in weights]
+        weights = [w.to(dtype) for w in weights]
+        weight = weights[0] if len(weights) == 1 else torch.cat(weights)
     bias = None if biases[0] is None else torch.cat(biases).to(dtype)
-    weight = weights[0] if len(weights) == 1 else torch.cat(weights)
     if form == "onednn":
         return Packed(torch.ops.mkldnn._reorder_linear_weight(weight.contiguous()), bias, form)
     if form == "in_out":
@@ -243,16 +259,17 @@ class Decoder:
 
     @torch.no_grad()
     def __init__(self, model, dtype=torch.float32, shared_prefix: bool = False,
-                 checked: bool = False):
+                 checked: bool = False, params: int | None = None):
         reason = None if checked else unsupported(model)
         if reason is not None:
             raise ValueError(f"the fast decoder cannot run this model: {reason}")
         base = decoder_stack(model)
         self.base, self.dtype = base, dtype
+        self.params = parameter_count(model) if params is None else params
         self.kv = SharedPrefix() if shared_prefix else FullCache()
         self.H, self.Hkv, self.D = head_dims(base.config)
         self.embed = base.embed_tokens.weight
-        form = weight_form(dtype, self.embed.device, sum(p.numel() for p in model.parameters()))
+        form = weight_form(dtype, self.embed.device, self.params)
         self.head = _pack([model.lm_head], dtype, form, base.norm.weight)
         self.final_eps = eps_of(base.norm)
         self.layers = [_PackedLayer(block, dtype, (self.H, self.Hkv, self.D), form)
@@ -264,8 +281,7 @@ class Decoder:
         """Keep this rollout's per-layer outputs for the update to replay
         (`labkit.fast.replay`): call before `prefill`. None (nothing kept) for a model under
         `replay.REPLAY_MIN_PARAMS` parameters or a recording over `replay.REPLAY_MAX_BYTES`."""
-        params = sum(p.numel() for p in self.model.parameters())
-        if params < replay.REPLAY_MIN_PARAMS:
+        if self.params < replay.REPLAY_MIN_PARAMS:
             return None
         block = self.base.layers[0]
         hidden, inner = self.embed.shape[1], block.mlp.gate_proj.out_features
