@@ -254,7 +254,8 @@ class Decoder:
     attention products and loses precision. Call `prefill` once, then `step` with each
     row's next token; both return fp32 logits (N, V) for the next position.
     `shared_prefix` picks the KV strategy: `SharedPrefix` (each prompt's keys and values
-    read once per group) or `FullCache` (once per row).
+    read once per group) or `FullCache` (once per row). `params`: the model's parameter
+    count where the caller has it (`decoder_or` counts once a rollout), else counted here.
     """
 
     @torch.no_grad()
