@@ -149,7 +149,8 @@ def test_bf16_autocast_log_probs_stay_close_to_the_model_under_autocast(model_an
 def test_decoder_logits_match_the_model_at_every_step(model_and_tokenizer, shared_prefix,
                                                       form, attention, monkeypatch):
     """Every weight form, KV strategy, key layout and decode attention (`weight_form`,
-    `keys_by_row` and `flash_decode` pick them by the CPU)."""
+    `keys_by_row` and `flash_decode` pick them by the CPU), in torch operations (the decode
+    kernels' path: tests/test_kernels.py)."""
     from labkit.fast import decoder as fast_decoder
     from labkit.fast import kv
 
@@ -161,7 +162,7 @@ def test_decoder_logits_match_the_model_at_every_step(model_and_tokenizer, share
     model, tokenizer = model_and_tokenizer
     ids, mask = encode_prompts(tokenizer, PROMPTS)
     G, T = 3, 6
-    decoder = fast.Decoder(model, torch.float32, shared_prefix=shared_prefix)
+    decoder = fast.Decoder(model, torch.float32, shared_prefix=shared_prefix, fused=False)
     logits = decoder.prefill(ids, mask, G, T)
     seq, seq_mask = ids.repeat_interleave(G, 0), mask.repeat_interleave(G, 0)
     generator = torch.Generator().manual_seed(0)

@@ -65,7 +65,7 @@ def summarize(results: dict, *, params: int, device: str, precision: dict, args)
         "cpu_bf16_native": cpu_bf16_native(), "gradient_checkpointing": False, "device": device,
         "small_params": params, "steps_timed": args.steps, "warmup": args.warmup,
         "rounds": args.rounds, "mode": "quick" if getattr(args, "quick", False) else "full",
-        "beta": args.beta, "torch_threads": _threads(),
+        "beta": args.beta, "torch_threads": _threads(), "decode_kernels": kernels_status(),
     }
     for label in ("tiny", "small"):
         summary |= _floor_figures(results[f"labkit_{label}"], label, step[f"labkit_{label}"],
@@ -205,6 +205,15 @@ def _scaling_figures(points: list[dict]) -> dict:
     return out
 
 
+def kernels_status() -> str:
+    """The decode kernels (`labkit.fast.kernels`): "built", or why not. They serve the tiny
+    model's rollout (the small model's 128-token prompts are read once per group, which
+    the kernels do not do)."""
+    from labkit.fast import kernels
+
+    return "built" if kernels.load() is not None else str(kernels.reason())
+
+
 def _threads() -> int:
     import torch
 
@@ -239,6 +248,7 @@ def table(summary: dict) -> str:
     lines.append(f"CPU capability {s['cpu_capability']}, precision tiny {s['precision_tiny']}, "
                  f"small {s['precision']} (both sides), gradient checkpointing off (both), "
                  f"device {s['device']}, {s['torch_threads']} torch threads, beta {s['beta']}, "
+                 f"decode kernels {s.get('decode_kernels', 'not recorded')}, "
                  f"median of {s['rounds']} x {s['steps_timed']} steps, each run after "
                  f"{s['warmup']} warm-up, labkit and TRL taking turns; "
                  f"small model {s['small_params'] / 1e6:.1f} M params; "

@@ -11,6 +11,9 @@ plain torch operations, with the decoder layer written once (`layer`):
 * `Decoder` (`decoder`): the rollout's prefill and decode steps on packed weights, reading
   the KV cache through a strategy (`kv`): `FullCache` (the prompt's keys per row) or
   `SharedPrefix` (once per group).
+* `kernels`: a decode step's work between its products (norms, RoPE with the attention,
+  SwiGLU) as three C functions, built with the machine's compiler on first use, for small
+  fp32 models on a CPU; torch operations where they cannot be built.
 * `replay`: a rollout's per-layer outputs, kept by the decoder (`Decoder.record`), which the
   update's first teacher-forced pass takes instead of computing its products (the
   backward unchanged).

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from labkit.fast.kv import FullCache, SharedPrefix
+from labkit.fast import kernels as fused_kernels
 from labkit.fast import replay
 from labkit.fast.layer import (attention_bias, compute_dtype, eps_of, head_dims, layer,
                                rope_tables)
@@ -239,6 +240,16 @@ class _PackedLayer:
     def residual_down(self, x: Tensor, act: Tensor) -> Tensor:
         return self._kept(3, _residual(x, act, self.w_down, self.dtype))
 
+    def fused_step(self, x: Tensor, kernels: fused_kernels.Kernels, keys: Tensor,
+                   values: Tensor, bias: Tensor, col: int, cos: Tensor, sin: Tensor) -> Tensor:
+        """`layer` at a decode step, fp32 rows x (N, hidden), with the work between the
+        products done by `labkit.fast.kernels`: the norms, RoPE and attention over this
+        layer's keys and values (N, Hkv, S, D, this step's go in at `col`), SwiGLU."""
+        qkv = self._kept(0, _matmul(kernels.rms_rows(x, self.eps1), self.w_qkv, self.dtype))
+        x = self.residual_o(x, kernels.rope_attend(qkv, cos, sin, keys, values, bias, col))
+        gate_up = self._kept(2, _matmul(kernels.rms_rows(x, self.eps2), self.w_gu, self.dtype))
+        return self.residual_down(x, kernels.swiglu(gate_up))
+
     def _kept(self, kind: int, output: Tensor) -> Tensor:
         if self.sink is not None:
             self.sink(kind, output)
@@ -256,18 +267,20 @@ class Decoder:
     `shared_prefix` picks the KV strategy: `SharedPrefix` (each prompt's keys and values
     read once per group) or `FullCache` (once per row). `params`: the model's parameter
     count where the caller has it (`decoder_or` counts once a rollout), else counted here.
+    `fused`: decode steps through `labkit.fast.kernels` (True: wherever they are built;
+    None: also only for an fp32 model on a CPU under `kernels.FUSED_MAX_PARAMS` with a
+    `FullCache`; False: never). `self.kernels` is what a decode step uses, or None.
     """
 
     @torch.no_grad()
     def __init__(self, model, dtype=torch.float32, shared_prefix: bool = False,
-                 checked: bool = False, params: int | None = None):
+                 checked: bool = False, params: int | None = None, fused: bool | None = None):
         reason = None if checked else unsupported(model)
         if reason is not None:
             raise ValueError(f"the fast decoder cannot run this model: {reason}")
         base = decoder_stack(model)
         self.base, self.dtype = base, dtype
         self.params = parameter_count(model) if params is None else params
-        self.kv = SharedPrefix() if shared_prefix else FullCache()
         self.H, self.Hkv, self.D = head_dims(base.config)
         self.embed = base.embed_tokens.weight
         form = weight_form(dtype, self.embed.device, self.params)
@@ -275,7 +288,21 @@ class Decoder:
         self.final_eps = eps_of(base.norm)
         self.layers = [_PackedLayer(block, dtype, (self.H, self.Hkv, self.D), form)
                        for block in base.layers]
+        self.kernels = None
+        if fused is not False and self._fusable(shared_prefix, fused is None):
+            self.kernels = fused_kernels.load()
+        self.kv = SharedPrefix() if shared_prefix else \
+            FullCache(by_row=True if self.kernels is not None else None)
         self.model, self.recording = model, None
+
+    def _fusable(self, shared_prefix: bool, by_size: bool) -> bool:
+        """Whether `labkit.fast.kernels` can run this decoder's steps (an fp32 model on a
+        CPU, every row's own cache, no q/k norms), and with `by_size` whether the model is
+        small enough to gain."""
+        if shared_prefix or self.dtype != torch.float32 or self.embed.dtype != torch.float32 \
+                or self.embed.device.type != "cpu" or self.layers[0].q_norm is not None:
+            return False
+        return not by_size or self.params < fused_kernels.FUSED_MAX_PARAMS
 
     def record(self, prompts: int, prompt_width: int, group_size: int, max_new_tokens: int
                ) -> replay.Recording | None:
@@ -305,8 +332,11 @@ class Decoder:
         self.layers, self.recording = [], None
         self.kv.close()
 
-    def _logits(self, x: Tensor) -> Tensor:
-        normed = F.rms_norm(x, (x.shape[-1],), None, self.final_eps)
+    def _logits(self, x: Tensor, fused: bool = False) -> Tensor:
+        if fused:
+            normed = self.kernels.rms_rows(x, self.final_eps)
+        else:
+            normed = F.rms_norm(x, (x.shape[-1],), None, self.final_eps)
         logits = _matmul(normed, self.head, self.dtype)
         if self.recording is not None:
             self.recording.keep_logits(logits)
@@ -363,7 +393,13 @@ class Decoder:
             x = F.embedding(tokens, self.embed).float()  # (N, hidden)
             if self.recording is not None:
                 self.recording.at = self.t
-            for i, ops in enumerate(self.layers):
-                x = layer(x, ops, self.kv.attend(i, self.t), cos, sin)
+            if self.kernels is not None:
+                col, bias = self.kv.P + self.t, self.kv.bias.view(x.shape[0], -1)
+                for ops, (keys, values) in zip(self.layers, self.kv.layers):
+                    x = ops.fused_step(x, self.kernels, keys, values, bias, col, cos[:, 0],
+                                       sin[:, 0])
+            else:
+                for i, ops in enumerate(self.layers):
+                    x = layer(x, ops, self.kv.attend(i, self.t), cos, sin)
             self.t += 1
-            return self._logits(x)
+            return self._logits(x, fused=self.kernels is not None)

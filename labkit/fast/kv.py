@@ -42,10 +42,10 @@ def keys_by_row() -> bool:
     return mkl.startswith(("AVX512", "AVX10"))
 
 
-def _keys(k: Tensor, N: int, Hkv: int, S: int, D: int) -> Tensor:
-    """A key buffer indexed (N, Hkv, position, D), stored by row or by column
-    (`keys_by_row`)."""
-    if keys_by_row():
+def _keys(k: Tensor, N: int, Hkv: int, S: int, D: int, by_row: bool | None = None) -> Tensor:
+    """A key buffer indexed (N, Hkv, position, D), stored by row or by column (`by_row`, by
+    default `keys_by_row()`)."""
+    if keys_by_row() if by_row is None else by_row:
         return k.new_empty(N, Hkv, S, D)
     return k.new_empty(N, Hkv, D, S).transpose(2, 3)
 
@@ -69,7 +69,11 @@ def _flash(q: Tensor, keys: Tensor, values: Tensor, bias: Tensor | None = None
 
 class FullCache:
     """Every row holds its prompt's keys and values: a decode step is one (rep x S) score
-    block per row and head, over the prompt and the completion so far."""
+    block per row and head, over the prompt and the completion so far. `by_row` True keeps
+    the keys (position, D) whatever the kernels (as `labkit.fast.kernels` reads them)."""
+
+    def __init__(self, by_row: bool | None = None):
+        self.by_row = by_row
 
     def start(self, prompt_mask: Tensor, group_size: int, max_new_tokens: int) -> None:
         """Before the prefill: the (B, P) prompt mask, G and T."""
@@ -84,7 +88,7 @@ class FullCache:
         """The next layer's prompt keys and values (B, Hkv, P, D), fp32."""
         G, P, S = self.G, self.P, self.P + self.T
         N, Hkv, D = k.shape[0] * G, k.shape[1], k.shape[3]
-        keys, values = _keys(k, N, Hkv, S, D), k.new_empty(N, Hkv, S, D)
+        keys, values = _keys(k, N, Hkv, S, D, self.by_row), k.new_empty(N, Hkv, S, D)
         keys[:, :, :P] = k.repeat_interleave(G, dim=0)
         values[:, :, :P] = v.repeat_interleave(G, dim=0)
         self.layers.append((keys, values))
