@@ -84,6 +84,35 @@ def test_rope_attend_is_rope_then_attention_and_writes_the_cache(K, dims):
     assert torch.equal(values, want_values)
 
 
+def _shared_case(B=3, G=2, H=4, Hkv=2, D=16, P=5, T=6, t=3, seed=1):
+    """A group-shared prompt cache (B, Hkv, P, D) and the rows' own (B*G, Hkv, T, D)."""
+    g = torch.Generator().manual_seed(seed)
+    qkv, cos, sin, keys, values, _, _, dims = _attention_case(N=B * G, H=H, Hkv=Hkv, D=D, S=T,
+                                                               col=t, seed=seed)
+    prompt_k, prompt_v = torch.randn(2, B, Hkv, P, D, generator=g)
+    prompt_bias = torch.zeros(B, P)
+    prompt_bias[1, :2] = torch.finfo(torch.float32).min
+    return qkv, cos, sin, keys, values, t, (prompt_k, prompt_v, prompt_bias), dims
+
+
+@pytest.mark.parametrize("dims", [(4, 2, 16), (2, 2, 8)])
+def test_rope_attend_reads_a_groups_shared_prompt_before_each_rows_own_keys(K, dims):
+    H, Hkv, D = dims
+    qkv, cos, sin, keys, values, t, shared, _ = _shared_case(H=H, Hkv=Hkv, D=D)
+    prompt_k, prompt_v, prompt_bias = shared
+    N, G = keys.shape[0], keys.shape[0] // prompt_k.shape[0]
+    # the same attention over each row's prompt copy then its own keys, in torch operations
+    whole_k = torch.cat([prompt_k.repeat_interleave(G, 0), keys], dim=2)
+    whole_v = torch.cat([prompt_v.repeat_interleave(G, 0), values], dim=2)
+    bias = torch.cat([prompt_bias.repeat_interleave(G, 0), torch.zeros(N, keys.shape[2])], 1)
+    P = prompt_k.shape[2]
+    want, want_keys, want_values = _reference(qkv, cos, sin, whole_k, whole_v, bias, P + t, dims)
+    got = K.rope_attend(qkv, cos, sin, keys, values, None, t, shared)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(keys, want_keys[:, :, P:], atol=1e-6, rtol=1e-6)
+    assert torch.equal(values, want_values[:, :, P:])
+
+
 def test_a_rows_result_does_not_depend_on_the_rows_beside_it(K):
     qkv, cos, sin, keys, values, bias, col, _ = _attention_case(N=9, seed=3)
     every = K.rope_attend(qkv, cos, sin, keys.clone(), values.clone(), bias, col)
@@ -94,6 +123,12 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(K):
         assert torch.equal(one, every[i:i + 1])
         assert torch.equal(K.rms_rows(x[i:i + 1], 1e-5), K.rms_rows(x, 1e-5)[i:i + 1])
         assert torch.equal(K.swiglu(x[i:i + 1]), K.swiglu(x)[i:i + 1])
+    qkv, cos, sin, keys, values, t, (pk, pv, pb), _ = _shared_case(B=3, G=2)
+    every = K.rope_attend(qkv, cos, sin, keys.clone(), values.clone(), None, t, (pk, pv, pb))
+    group = slice(2, 4)  # the second prompt's two rows alone
+    alone = K.rope_attend(qkv[group], cos[group], sin[group], keys[group].clone(),
+                          values[group].clone(), None, t, (pk[1:2], pv[1:2], pb[1:2]))
+    assert torch.equal(alone, every[group])
 
 
 def test_bad_inputs_name_the_argument_before_any_c_runs(K):
@@ -108,10 +143,17 @@ def test_bad_inputs_name_the_argument_before_any_c_runs(K):
         K.rope_attend(qkv, cos, sin, keys, values, bias, keys.shape[2])
     with pytest.raises(ValueError, match="cos"):
         K.rope_attend(qkv, cos.t().contiguous().t(), sin, keys, values, bias, col)
+    qkv, cos, sin, keys, values, t, (pk, pv, pb), _ = _shared_case(B=3, G=2)
+    with pytest.raises(ValueError, match="shared keys and values"):
+        K.rope_attend(qkv, cos, sin, keys, values, None, t, (pk[:, :1].contiguous(), pv, pb))
+    with pytest.raises(ValueError, match="shared bias must be a contiguous"):
+        K.rope_attend(qkv, cos, sin, keys, values, None, t, (pk, pv, pb.t()))
 
 
+@pytest.mark.parametrize("shared_prefix", [False, True])
 @pytest.mark.parametrize("kind", ["embedded", "llama-gqa", "qwen2"])
-def test_the_decoder_with_kernels_matches_the_model_at_every_step(K, tiny, kind):
+def test_the_decoder_with_kernels_matches_the_model_at_every_step(K, tiny, kind,
+                                                                   shared_prefix):
     model, tokenizer = tiny
     model = copy.deepcopy(model).eval() if kind == "embedded" else _random(kind, len(tokenizer))
     with torch.no_grad():
@@ -120,7 +162,7 @@ def test_the_decoder_with_kernels_matches_the_model_at_every_step(K, tiny, kind)
                 p.normal_(0, 0.15)
     ids, mask = encode_prompts(tokenizer, PROMPTS)
     G, T = 3, 6
-    decoder = fast.Decoder(model, torch.float32)
+    decoder = fast.Decoder(model, torch.float32, shared_prefix=shared_prefix)
     assert decoder.kernels is K
     logits = decoder.prefill(ids, mask, G, T)
     seq, seq_mask = ids.repeat_interleave(G, 0), mask.repeat_interleave(G, 0)
@@ -140,10 +182,14 @@ def test_the_decoder_uses_kernels_only_where_they_serve(K, tiny, monkeypatch):
     assert fast.Decoder(model).kernels is K
     assert fast.Decoder(model).kv.by_row is True  # the layout the kernels read
     assert fast.Decoder(model, fused=False).kernels is None
-    assert fast.Decoder(model, shared_prefix=True, fused=True).kernels is None
+    shared = fast.Decoder(model, shared_prefix=True)
+    assert shared.kernels is K and shared.kv.by_row is True  # the prompt's keys by row
     assert fast.Decoder(model, torch.bfloat16, fused=True).kernels is None
     qwen3 = _random("qwen3", model.config.vocab_size)
     assert fast.Decoder(qwen3, fused=True).kernels is None  # q and k norms
+    with kernels.off():  # the bench's floor records its step so
+        assert fast.Decoder(model, fused=True).kernels is None
+    assert not kernels.held_off() and fast.Decoder(model).kernels is K
     monkeypatch.setattr(kernels, "FUSED_MAX_PARAMS", 1000)  # a model above the size rule
     assert fast.Decoder(model).kernels is None
     assert fast.Decoder(model, fused=True).kernels is K

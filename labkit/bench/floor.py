@@ -64,13 +64,19 @@ def step_floor(run_step, device, replays: int = 5) -> dict:
     `DISTINCT_MIN_BYTES` or more, and a KV cache's at any size (`KV_INPUTS`), one per
     address they were read from; a weight packed by oneDNN is replayed itself), and as many
     views as the step had other operations are made by one `unbind`; each figure is the
-    median of `replays` timings. Every operation of the step is counted at no more than its
-    cost, and none of the step's Python runs, so the step takes longer than `floor_s` (on
-    CUDA, where the host's dispatching overlaps the device's products: than the larger of
-    the two)."""
+    median of `replays` timings. The step is recorded with `labkit.fast.kernels` off: the
+    decode's norms, RoPE, attention and SwiGLU, which the kernels run outside torch, count
+    as the torch operations they replace (the attention among the products). Every
+    operation of the step is counted at no more than its cost, and none of the step's
+    Python runs, so the step takes longer than `floor_s` unless the kernels beat the torch
+    operations they replace by more than the step's Python costs (on CUDA, where the host's
+    dispatching overlaps the device's products: than the larger of the two)."""
     import torch
 
-    calls, dispatched = record_products(run_step)
+    from labkit.fast import kernels
+
+    with kernels.off():  # the decode's attention as torch operations, counted as products
+        calls, dispatched = record_products(run_step)
     replay = replay_inputs(calls)
     probe = torch.zeros(dispatched - len(calls), device=device)
 

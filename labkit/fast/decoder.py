@@ -240,13 +240,13 @@ class _PackedLayer:
     def residual_down(self, x: Tensor, act: Tensor) -> Tensor:
         return self._kept(3, _residual(x, act, self.w_down, self.dtype))
 
-    def fused_step(self, x: Tensor, kernels: fused_kernels.Kernels, keys: Tensor,
-                   values: Tensor, bias: Tensor, col: int, cos: Tensor, sin: Tensor) -> Tensor:
+    def fused_step(self, x: Tensor, kernels: fused_kernels.Kernels, cos: Tensor, sin: Tensor,
+                   *cache) -> Tensor:
         """`layer` at a decode step, fp32 rows x (N, hidden), with the work between the
         products done by `labkit.fast.kernels`: the norms, RoPE and attention over this
-        layer's keys and values (N, Hkv, S, D, this step's go in at `col`), SwiGLU."""
+        layer's cache (`cache`: a KV strategy's `kernel_inputs`), SwiGLU."""
         qkv = self._kept(0, _matmul(kernels.rms_rows(x, self.eps1), self.w_qkv, self.dtype))
-        x = self.residual_o(x, kernels.rope_attend(qkv, cos, sin, keys, values, bias, col))
+        x = self.residual_o(x, kernels.rope_attend(qkv, cos, sin, *cache))
         gate_up = self._kept(2, _matmul(kernels.rms_rows(x, self.eps2), self.w_gu, self.dtype))
         return self.residual_down(x, kernels.swiglu(gate_up))
 
@@ -267,9 +267,9 @@ class Decoder:
     `shared_prefix` picks the KV strategy: `SharedPrefix` (each prompt's keys and values
     read once per group) or `FullCache` (once per row). `params`: the model's parameter
     count where the caller has it (`decoder_or` counts once a rollout), else counted here.
-    `fused`: decode steps through `labkit.fast.kernels` (True: wherever they are built;
-    None: also only for an fp32 model on a CPU under `kernels.FUSED_MAX_PARAMS` with a
-    `FullCache`; False: never). `self.kernels` is what a decode step uses, or None.
+    `fused`: decode steps through `labkit.fast.kernels` (True: for an fp32 model on a CPU,
+    wherever they are built; None: also only under `kernels.FUSED_MAX_PARAMS`; False:
+    never). `self.kernels` is what a decode step uses, or None.
     """
 
     @torch.no_grad()
@@ -289,17 +289,17 @@ class Decoder:
         self.layers = [_PackedLayer(block, dtype, (self.H, self.Hkv, self.D), form)
                        for block in base.layers]
         self.kernels = None
-        if fused is not False and self._fusable(shared_prefix, fused is None):
+        if fused is not False and self._fusable(fused is None):
             self.kernels = fused_kernels.load()
-        self.kv = SharedPrefix() if shared_prefix else \
-            FullCache(by_row=True if self.kernels is not None else None)
+        by_row = True if self.kernels is not None else None
+        self.kv = SharedPrefix(by_row) if shared_prefix else FullCache(by_row)
         self.model, self.recording = model, None
 
-    def _fusable(self, shared_prefix: bool, by_size: bool) -> bool:
+    def _fusable(self, by_size: bool) -> bool:
         """Whether `labkit.fast.kernels` can run this decoder's steps (an fp32 model on a
-        CPU, every row's own cache, no q/k norms), and with `by_size` whether the model is
-        small enough to gain."""
-        if shared_prefix or self.dtype != torch.float32 or self.embed.dtype != torch.float32 \
+        CPU, no q/k norms), and with `by_size` whether the model is small enough to gain."""
+        if fused_kernels.held_off() or self.dtype != torch.float32 \
+                or self.embed.dtype != torch.float32 \
                 or self.embed.device.type != "cpu" or self.layers[0].q_norm is not None:
             return False
         return not by_size or self.params < fused_kernels.FUSED_MAX_PARAMS
@@ -394,10 +394,9 @@ class Decoder:
             if self.recording is not None:
                 self.recording.at = self.t
             if self.kernels is not None:
-                col, bias = self.kv.P + self.t, self.kv.bias.view(x.shape[0], -1)
-                for ops, (keys, values) in zip(self.layers, self.kv.layers):
-                    x = ops.fused_step(x, self.kernels, keys, values, bias, col, cos[:, 0],
-                                       sin[:, 0])
+                for i, ops in enumerate(self.layers):
+                    x = ops.fused_step(x, self.kernels, cos[:, 0], sin[:, 0],
+                                       *self.kv.kernel_inputs(i, self.t))
             else:
                 for i, ops in enumerate(self.layers):
                     x = layer(x, ops, self.kv.attend(i, self.t), cos, sin)

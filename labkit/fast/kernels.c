@@ -89,42 +89,66 @@ static inline void rope_row(const float *restrict x, float *restrict out,
     for (int64_t i = half; i < D; i++) out[i] = x[i] * cos[i] + x[i - half] * sin[i];
 }
 
+/* Scores of q against n keys (n, D) plus an additive bias (or none) into w; their top. */
+static inline float scores(const float *restrict q, const float *restrict k,
+                           const float *restrict bias, float *restrict w, int64_t n, int64_t D,
+                           float top) {
+    for (int64_t j = 0; j < n; j++) {
+        w[j] = sum_of_products(q, k + j * D, D) + (bias ? bias[j] : 0.0f);
+        top = w[j] > top ? w[j] : top;
+    }
+    return top;
+}
+
+static inline void weighted_sum(const float *restrict w, const float *restrict v,
+                                float *restrict o, int64_t n, int64_t D, float total) {
+    for (int64_t j = 0; j < n; j++) {
+        float p = w[j] / total;
+        for (int64_t i = 0; i < D; i++) o[i] += p * v[j * D + i];
+    }
+}
+
 /* One decode step's attention for N rows: qkv (N, (H + 2 Hkv) D) from the q, k, v product
  * (the attention scale already in q); cos, sin (N, D) with rows `table_stride` apart; keys,
- * values (N, Hkv, S, D), into which this step's rotated k and its v go at position `col`;
- * bias (N, S) added to the scores (0, or the dtype's minimum on prompt padding); out
- * (N, H D). Query head h reads key/value head h / (H / Hkv). */
+ * values (N, Hkv, S, D), into which this step's rotated k and its v go at position `col`,
+ * read at positions 0..col, with bias (N, S) added to the scores (or none: NULL). Where
+ * `shared_keys` is not NULL, rows come in groups of G that share a prompt: shared_keys,
+ * shared_values (N / G, Hkv, P, D) with shared_bias (N / G, P) are read first, as if
+ * they stood before each row's own keys. One softmax over all of a row's positions; out
+ * (N, H D). Query head h reads key/value head h / (H / Hkv); the bias is 0, or the
+ * dtype's minimum on prompt padding. */
 void lk_rope_attend(const float *restrict qkv, const float *restrict cos,
                     const float *restrict sin, int64_t table_stride, float *restrict keys,
-                    float *restrict values, const float *restrict bias, float *restrict out,
-                    int64_t N, int64_t H, int64_t Hkv, int64_t D, int64_t S, int64_t col) {
+                    float *restrict values, const float *restrict bias, int64_t S,
+                    int64_t col, const float *restrict shared_keys,
+                    const float *restrict shared_values, const float *restrict shared_bias,
+                    int64_t P, int64_t G, float *restrict out, int64_t N, int64_t H,
+                    int64_t Hkv, int64_t D) {
     int64_t width = (H + 2 * Hkv) * D, rep = H / Hkv;
-    float q[D], weights[col + 1];
+    if (!shared_keys) P = 0;
+    float q[D], weights[P + col + 1];
     for (int64_t n = 0; n < N; n++) {
         const float *c = cos + n * table_stride, *s = sin + n * table_stride;
-        const float *row = qkv + n * width, *b = bias + n * S;
+        const float *row = qkv + n * width, *b = bias ? bias + n * S : 0;
         for (int64_t g = 0; g < Hkv; g++) {
             int64_t at = ((n * Hkv + g) * S + col) * D;
             rope_row(row + (H + g) * D, keys + at, c, s, D);
             memcpy(values + at, row + (H + Hkv + g) * D, (size_t)D * sizeof(float));
         }
         for (int64_t h = 0; h < H; h++) {
-            const float *k = keys + (n * Hkv + h / rep) * S * D;
-            const float *v = values + (n * Hkv + h / rep) * S * D;
+            int64_t own = (n * Hkv + h / rep) * S * D, prompt = (n / G * Hkv + h / rep) * P * D;
             rope_row(row + h * D, q, c, s, D);
             float top = -FLT_MAX;
-            for (int64_t j = 0; j <= col; j++) {
-                weights[j] = sum_of_products(q, k + j * D, D) + b[j];
-                top = weights[j] > top ? weights[j] : top;
-            }
-            for (int64_t j = 0; j <= col; j++) weights[j] = lk_exp(weights[j] - top);
-            float total = sum_of(weights, col + 1);
+            if (P)
+                top = scores(q, shared_keys + prompt, shared_bias + n / G * P, weights, P, D,
+                             top);
+            top = scores(q, keys + own, b, weights + P, col + 1, D, top);
+            for (int64_t j = 0; j < P + col + 1; j++) weights[j] = lk_exp(weights[j] - top);
+            float total = sum_of(weights, P + col + 1);
             float *o = out + (n * H + h) * D;
             for (int64_t i = 0; i < D; i++) o[i] = 0.0f;
-            for (int64_t j = 0; j <= col; j++) {
-                float w = weights[j] / total;
-                for (int64_t i = 0; i < D; i++) o[i] += w * v[j * D + i];
-            }
+            if (P) weighted_sum(weights, shared_values + prompt, o, P, D, total);
+            weighted_sum(weights + P, values + own, o, col + 1, D, total);
         }
     }
 }

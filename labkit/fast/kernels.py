@@ -16,6 +16,7 @@ holds each function to the torch operations it replaces.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -41,6 +42,7 @@ Larger models are unmeasured, and the kernels' attention runs on one thread."""
 _FLAGS = ("-O3", "-fPIC", "-shared", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math")
 _NATIVE = ("-march=native",)
 _reason: str | None = None
+_held_off = 0
 
 
 def _compiler() -> str | None:
@@ -104,7 +106,8 @@ class Kernels:
         p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
         lib.lk_rms_rows.argtypes = [p, p, i64, i64, f32]
         lib.lk_swiglu.argtypes = [p, p, i64, i64]
-        lib.lk_rope_attend.argtypes = [p, p, p, i64, p, p, p, p] + [i64] * 6
+        lib.lk_rope_attend.argtypes = [p, p, p, i64, p, p, p, i64, i64, p, p, p, i64, i64, p,
+                                       i64, i64, i64, i64]
         for f in (lib.lk_rms_rows, lib.lk_swiglu, lib.lk_rope_attend):
             f.restype = None
         self.lib, self.path = lib, path
@@ -125,32 +128,52 @@ class Kernels:
         return out
 
     def rope_attend(self, qkv: Tensor, cos: Tensor, sin: Tensor, keys: Tensor,
-                    values: Tensor, bias: Tensor, col: int) -> Tensor:
+                    values: Tensor, bias: Tensor | None, col: int,
+                    shared: tuple[Tensor, Tensor, Tensor] | None = None) -> Tensor:
         """One decode step's attention: qkv (N, (H + 2 Hkv) D), the scale already in q;
         cos, sin (N, D), their rows possibly apart; keys, values (N, Hkv, S, D), which take
-        this step's rotated k and its v at position col; bias (N, S). Returns (N, H D)."""
+        this step's rotated k and its v at position col and are read up to it, with bias
+        (N, S) or None. `shared`: each group of G rows' prompt, read before the rows' own
+        keys: keys and values (N / G, Hkv, P, D) and bias (N / G, P). Returns (N, H D)."""
         _check(qkv, "qkv", 2)
         _check(keys, "keys", 4)
         _check(values, "values", 4)
-        _check(bias, "bias", 2)
         N, Hkv, S, D = keys.shape
         H = qkv.shape[1] // D - 2 * Hkv
         table = (N, D)
+        if bias is not None:
+            _check(bias, "bias", 2)
         if H < 1 or H % Hkv or qkv.shape[1] % D or D % 2 or qkv.shape[0] != N \
-                or values.shape != keys.shape or bias.shape != (N, S) or not 0 <= col < S \
+                or values.shape != keys.shape or not 0 <= col < S \
+                or (bias is not None and bias.shape != (N, S)) \
                 or cos.shape != table or sin.shape != table or cos.stride() != sin.stride() \
                 or cos.stride(1) != 1 or cos.dtype != torch.float32 \
                 or sin.dtype != torch.float32:
             raise ValueError(
                 f"rope_attend: qkv {tuple(qkv.shape)}, keys and values {tuple(keys.shape)} "
-                f"(N, Hkv, S, D), bias {tuple(bias.shape)}, cos {tuple(cos.shape)} and col "
-                f"{col} do not fit: qkv must be (N, (H + 2 Hkv) D) with H a multiple of Hkv, D "
-                "even, bias (N, S), cos and sin fp32 (N, D) alike with unit column stride, "
-                "0 <= col < S")
+                f"(N, Hkv, S, D), bias {None if bias is None else tuple(bias.shape)}, cos "
+                f"{tuple(cos.shape)} and col {col} do not fit: qkv must be (N, (H + 2 Hkv) "
+                "D) with H a multiple of Hkv, D even, bias (N, S), cos and sin fp32 (N, D) "
+                "alike with unit column stride, 0 <= col < S")
+        prompt = (None, None, None, 0, 1)
+        if shared is not None:
+            shared_keys, shared_values, shared_bias = shared
+            _check(shared_keys, "shared keys", 4)
+            _check(shared_values, "shared values", 4)
+            _check(shared_bias, "shared bias", 2)
+            B, P = shared_bias.shape
+            if B < 1 or N % B or shared_keys.shape != (B, Hkv, P, D) \
+                    or shared_values.shape != shared_keys.shape:
+                raise ValueError(
+                    f"rope_attend: shared keys and values {tuple(shared_keys.shape)} and bias "
+                    f"{(B, P)} do not fit {N} rows: (B, Hkv, P, D) and (B, P), B dividing N")
+            prompt = (shared_keys.data_ptr(), shared_values.data_ptr(),
+                      shared_bias.data_ptr(), P, N // B)
         out = qkv.new_empty(N, H * D)
         self.lib.lk_rope_attend(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), cos.stride(0),
-                                keys.data_ptr(), values.data_ptr(), bias.data_ptr(),
-                                out.data_ptr(), N, H, Hkv, D, S, col)
+                                keys.data_ptr(), values.data_ptr(),
+                                None if bias is None else bias.data_ptr(), S, col, *prompt,
+                                out.data_ptr(), N, H, Hkv, D)
         return out
 
 
@@ -185,6 +208,23 @@ def load() -> Kernels | None:
     warnings.warn(f"labkit.fast.kernels: {_reason}; a small model's decode steps run on "
                   "torch operations instead (slower)", stacklevel=2)
     return None
+
+
+@contextlib.contextmanager
+def off():
+    """Decoders built inside run torch operations, kernels or not (the bench's step floor
+    records a step so, to count the decode's attention among its products)."""
+    global _held_off
+    _held_off += 1
+    try:
+        yield
+    finally:
+        _held_off -= 1
+
+
+def held_off() -> bool:
+    """Whether an `off()` block is open."""
+    return _held_off > 0
 
 
 def reason() -> str | None:

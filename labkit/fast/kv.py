@@ -109,6 +109,12 @@ class FullCache:
             return torch.matmul(probs, values[:, :, :col + 1]).reshape(N, H * D)
         return attend
 
+    def kernel_inputs(self, i: int, t: int) -> tuple:
+        """What `labkit.fast.kernels.Kernels.rope_attend` reads for layer i at completion
+        step t: keys, values, bias (N, S), the step's position, no shared prompt."""
+        keys, values = self.layers[i]
+        return keys, values, self.bias.view(keys.shape[0], -1), self.P + t, None
+
     def close(self) -> None:
         self.layers = []
 
@@ -116,7 +122,11 @@ class FullCache:
 class SharedPrefix:
     """A group's G rows read their prompt's keys and values once, as one (G*rep x P) score
     block per prompt and head, instead of G copies of them; each row keeps only its own
-    completion's keys and values."""
+    completion's keys and values. `by_row` True keeps the prompt's keys (position, D)
+    whatever the kernels (as `labkit.fast.kernels` reads them)."""
+
+    def __init__(self, by_row: bool | None = None):
+        self.by_row = by_row
 
     def start(self, prompt_mask: Tensor, group_size: int, max_new_tokens: int) -> None:
         """Before the prefill: the (B, P) prompt mask, G and T."""
@@ -128,7 +138,8 @@ class SharedPrefix:
     def store_prompt(self, k: Tensor, v: Tensor) -> None:
         """The next layer's prompt keys and values (B, Hkv, P, D), fp32."""
         # the prompt once per group; for the batched products its keys by column (D, P)
-        self.prompt.append((k.contiguous() if self.flash else k.transpose(2, 3).contiguous(),
+        by_row = self.flash or self.by_row
+        self.prompt.append((k.contiguous() if by_row else k.transpose(2, 3).contiguous(),
                             v.contiguous()))
         N, Hkv, D = k.shape[0] * self.G, k.shape[1], k.shape[3]
         self.layers.append((k.new_empty(N, Hkv, self.T, D), k.new_empty(N, Hkv, self.T, D)))
@@ -161,6 +172,13 @@ class SharedPrefix:
             o = o.add_(torch.matmul(probs[..., P:], values[:, :, :t + 1]))
             return o.reshape(N, H * D)
         return attend
+
+    def kernel_inputs(self, i: int, t: int) -> tuple:
+        """What `labkit.fast.kernels.Kernels.rope_attend` reads for layer i at completion
+        step t: the rows' own keys and values (no bias), t, and the shared prompt's."""
+        (keys, values), (prompt_k, prompt_v) = self.layers[i], self.prompt[i]
+        return keys, values, None, t, (prompt_k, prompt_v,
+                                       self.prompt_bias.view(prompt_k.shape[0], -1))
 
     def _flash(self, q: Tensor, qg: Tensor, keys: Tensor, values: Tensor, prompt_k: Tensor,
                prompt_v: Tensor) -> Tensor:
