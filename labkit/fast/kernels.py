@@ -2,16 +2,17 @@
 SwiGLU, and RoPE with the step's attention over the KV cache.
 
 On a small model a decode step is some seventy torch operations on a few thousand numbers
-each, and each operation costs a few microseconds of dispatch whatever its size; the three
-functions replace about fifty of them per step. They are compiled once per machine with
+each, and each operation costs a few microseconds of dispatch whatever its size: with the
+three functions the embedded model's decode step is 29 torch operations and seven calls
+to C, against 69 (95 reading a shared prompt) without. They are compiled once per machine with
 its C compiler (`CC`, else cc, gcc or clang), into `LABKIT_KERNELS_DIR` (default
 ~/.cache/labkit/kernels), and loaded with ctypes: no build step at install, no torch
 headers. Where no compiler is found or the build fails, `load()` is None, `reason()` says
 why and the decoder runs its torch operations. `LABKIT_KERNELS=0` turns them off.
 
 `labkit.fast.decoder` uses them on a CPU for fp32 models under `FUSED_MAX_PARAMS`, with
-every row's keys in its own cache (`FullCache(by_row=True)`); `tests/test_kernels.py`
-holds each function to the torch operations it replaces.
+either KV strategy (its keys kept (position, D): `by_row`); `tests/test_kernels.py` holds
+each function to the torch operations it replaces.
 """
 
 from __future__ import annotations
