@@ -12,9 +12,8 @@ import torch.nn.functional as F
 from labkit import fast
 from labkit.fast import kernels
 from labkit.fast.layer import rope
-from labkit.rollout import encode_prompts
 
-from test_lean import PROMPTS, _hf_logits, _random
+from test_lean import PROMPTS, _random, assert_decoder_matches_model
 
 
 @pytest.fixture(scope="module")
@@ -160,21 +159,9 @@ def test_the_decoder_with_kernels_matches_the_model_at_every_step(K, tiny, kind,
         for p in model.parameters():
             if kind != "embedded" and p.dim() == 2:
                 p.normal_(0, 0.15)
-    ids, mask = encode_prompts(tokenizer, PROMPTS)
-    G, T = 3, 6
     decoder = fast.Decoder(model, torch.float32, shared_prefix=shared_prefix)
     assert decoder.kernels is K
-    logits = decoder.prefill(ids, mask, G, T)
-    seq, seq_mask = ids.repeat_interleave(G, 0), mask.repeat_interleave(G, 0)
-    generator = torch.Generator().manual_seed(0)
-    for step in range(T):
-        want = _hf_logits(model, seq, seq_mask)[:, -1].float()
-        torch.testing.assert_close(logits, want, atol=5e-5, rtol=1e-5)
-        token = torch.randint(3, len(tokenizer), (seq.shape[0],), generator=generator)
-        seq = torch.cat([seq, token[:, None]], 1)
-        seq_mask = torch.cat([seq_mask, torch.ones_like(token[:, None])], 1)
-        if step < T - 1:
-            logits = decoder.step(token)
+    assert_decoder_matches_model(decoder, model, tokenizer)
 
 
 def test_the_decoder_uses_kernels_only_where_they_serve(K, tiny, monkeypatch):

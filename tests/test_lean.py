@@ -160,9 +160,14 @@ def test_decoder_logits_match_the_model_at_every_step(model_and_tokenizer, share
     monkeypatch.setattr(kv, "keys_by_row", lambda: attention == "by_row")
     monkeypatch.setattr(kv, "flash_decode", lambda device: attention == "flash")
     model, tokenizer = model_and_tokenizer
-    ids, mask = encode_prompts(tokenizer, PROMPTS)
-    G, T = 3, 6
     decoder = fast.Decoder(model, torch.float32, shared_prefix=shared_prefix, fused=False)
+    assert_decoder_matches_model(decoder, model, tokenizer)
+
+
+def assert_decoder_matches_model(decoder, model, tokenizer, G=3, T=6):
+    """The decoder's logits against the model's forward after the prompts and at each of
+    T - 1 decode steps, the steps' tokens random."""
+    ids, mask = encode_prompts(tokenizer, PROMPTS)
     logits = decoder.prefill(ids, mask, G, T)
     seq, seq_mask = ids.repeat_interleave(G, 0), mask.repeat_interleave(G, 0)
     generator = torch.Generator().manual_seed(0)
