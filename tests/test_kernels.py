@@ -72,7 +72,7 @@ def _reference(qkv, cos, sin, keys, values, bias, col, dims):
     return out.reshape(N, H * D), keys, values
 
 
-@pytest.mark.parametrize("dims", [(4, 2, 16), (4, 4, 32), (2, 1, 6)])
+@pytest.mark.parametrize("dims", [(4, 2, 16), (4, 4, 32), (2, 1, 6), (2, 1, 96)])
 def test_rope_attend_is_rope_then_attention_and_writes_the_cache(K, dims):
     H, Hkv, D = dims
     qkv, cos, sin, keys, values, bias, col, _ = _attention_case(H=H, Hkv=Hkv, D=D)
@@ -94,7 +94,7 @@ def _shared_case(B=3, G=2, H=4, Hkv=2, D=16, P=5, T=6, t=3, seed=1):
     return qkv, cos, sin, keys, values, t, (prompt_k, prompt_v, prompt_bias), dims
 
 
-@pytest.mark.parametrize("dims", [(4, 2, 16), (2, 2, 8)])
+@pytest.mark.parametrize("dims", [(4, 2, 16), (2, 2, 8), (2, 1, 6), (2, 1, 96)])
 def test_rope_attend_reads_a_groups_shared_prompt_before_each_rows_own_keys(K, dims):
     H, Hkv, D = dims
     qkv, cos, sin, keys, values, t, shared, _ = _shared_case(H=H, Hkv=Hkv, D=D)

@@ -89,22 +89,75 @@ static inline void rope_row(const float *restrict x, float *restrict out,
     for (int64_t i = half; i < D; i++) out[i] = x[i] * cos[i] + x[i - half] * sin[i];
 }
 
-/* Scores of q against n keys (n, D) plus an additive bias (or none) into w; their top. */
+/* Eight floats as one vector (GCC's and clang's vector extension: AVX, or two SSE or NEON
+ * registers); loads and stores through memcpy, so no alignment is assumed. */
+typedef float v8 __attribute__((vector_size(LANES * sizeof(float))));
+
+static inline v8 load8(const float *p) {
+    v8 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void store8(float *p, v8 v) { memcpy(p, &v, sizeof v); }
+
+/* The lanes summed in sum_of_products' order. */
+static inline float lanes_sum(v8 a) {
+    return a[0] + a[1] + a[2] + a[3] + a[4] + a[5] + a[6] + a[7];
+}
+
+/* Scores of q against n keys (n, D) plus an additive bias (or none) into w; their top.
+ * Where D is a multiple of LANES, four keys at a time on vectors, each key's sum in
+ * sum_of_products' order (the same bits). */
 static inline float scores(const float *restrict q, const float *restrict k,
                            const float *restrict bias, float *restrict w, int64_t n, int64_t D,
                            float top) {
-    for (int64_t j = 0; j < n; j++) {
-        w[j] = sum_of_products(q, k + j * D, D) + (bias ? bias[j] : 0.0f);
+    int64_t j = 0;
+    if (D % LANES == 0) {
+        for (; j + 4 <= n; j += 4) {
+            const float *k0 = k + j * D;
+            v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+            for (int64_t i = 0; i < D; i += LANES) {
+                v8 x = load8(q + i);
+                a0 += x * load8(k0 + i);
+                a1 += x * load8(k0 + D + i);
+                a2 += x * load8(k0 + 2 * D + i);
+                a3 += x * load8(k0 + 3 * D + i);
+            }
+            w[j] = lanes_sum(a0);
+            w[j + 1] = lanes_sum(a1);
+            w[j + 2] = lanes_sum(a2);
+            w[j + 3] = lanes_sum(a3);
+        }
+    }
+    for (; j < n; j++) w[j] = sum_of_products(q, k + j * D, D);
+    for (j = 0; j < n; j++) {
+        w[j] += bias ? bias[j] : 0.0f;
         top = w[j] > top ? w[j] : top;
     }
     return top;
 }
 
-static inline void weighted_sum(const float *restrict w, const float *restrict v,
-                                float *restrict o, int64_t n, int64_t D, float total) {
-    for (int64_t j = 0; j < n; j++) {
-        float p = w[j] / total;
-        for (int64_t i = 0; i < D; i++) o[i] += p * v[j * D + i];
+/* o (D) += sum over j of p[j] v[j] (v (n, D)), added in order of j. Where D is a multiple of
+ * LANES, 64 columns at a time held in registers (the same bits). */
+static inline void weighted_sum(const float *restrict p, const float *restrict v,
+                                float *restrict o, int64_t n, int64_t D) {
+    if (D % LANES) {
+        for (int64_t j = 0; j < n; j++)
+            for (int64_t i = 0; i < D; i++) o[i] += p[j] * v[j * D + i];
+        return;
+    }
+    for (int64_t c = 0; c < D; c += 8 * LANES) {
+        int64_t blocks = (D - c < 8 * LANES ? D - c : 8 * LANES) / LANES;
+        v8 acc[8];
+        for (int64_t b = 0; b < blocks; b++) acc[b] = load8(o + c + b * LANES);
+        for (int64_t j = 0; j < n; j++) {
+            v8 pj = {0};
+            pj += p[j];
+            const float *row = v + j * D + c;
+            for (int64_t b = 0; b < blocks; b++) acc[b] += pj * load8(row + b * LANES);
+        }
+        for (int64_t b = 0; b < blocks; b++) store8(o + c + b * LANES, acc[b]);
     }
 }
 
@@ -116,7 +169,9 @@ static inline void weighted_sum(const float *restrict w, const float *restrict v
  * shared_values (N / G, Hkv, P, D) with shared_bias (N / G, P) are read first, as if
  * they stood before each row's own keys. One softmax over all of a row's positions; out
  * (N, H D). Query head h reads key/value head h / (H / Hkv); the bias is 0, or the
- * dtype's minimum on prompt padding. */
+ * dtype's minimum on prompt padding. A group's rows go head by head, so that a head's
+ * prompt keys and values are read from memory once for the group; each (row, head) is
+ * computed alone, the same whatever rows are beside it. */
 void lk_rope_attend(const float *restrict qkv, const float *restrict cos,
                     const float *restrict sin, int64_t table_stride, float *restrict keys,
                     float *restrict values, const float *restrict bias, int64_t S,
@@ -126,29 +181,39 @@ void lk_rope_attend(const float *restrict qkv, const float *restrict cos,
                     int64_t Hkv, int64_t D) {
     int64_t width = (H + 2 * Hkv) * D, rep = H / Hkv;
     if (!shared_keys) P = 0;
-    float q[D], weights[P + col + 1];
-    for (int64_t n = 0; n < N; n++) {
-        const float *c = cos + n * table_stride, *s = sin + n * table_stride;
-        const float *row = qkv + n * width, *b = bias ? bias + n * S : 0;
-        for (int64_t g = 0; g < Hkv; g++) {
-            int64_t at = ((n * Hkv + g) * S + col) * D;
-            rope_row(row + (H + g) * D, keys + at, c, s, D);
-            memcpy(values + at, row + (H + Hkv + g) * D, (size_t)D * sizeof(float));
+    int64_t n_keys = P + col + 1;
+    float q[D], weights[n_keys];
+    for (int64_t first = 0; first < N; first += G) {
+        int64_t last = first + G < N ? first + G : N;
+        for (int64_t n = first; n < last; n++) {
+            const float *c = cos + n * table_stride, *s = sin + n * table_stride;
+            const float *row = qkv + n * width;
+            for (int64_t g = 0; g < Hkv; g++) {
+                int64_t at = ((n * Hkv + g) * S + col) * D;
+                rope_row(row + (H + g) * D, keys + at, c, s, D);
+                memcpy(values + at, row + (H + Hkv + g) * D, (size_t)D * sizeof(float));
+            }
         }
         for (int64_t h = 0; h < H; h++) {
-            int64_t own = (n * Hkv + h / rep) * S * D, prompt = (n / G * Hkv + h / rep) * P * D;
-            rope_row(row + h * D, q, c, s, D);
-            float top = -FLT_MAX;
-            if (P)
-                top = scores(q, shared_keys + prompt, shared_bias + n / G * P, weights, P, D,
-                             top);
-            top = scores(q, keys + own, b, weights + P, col + 1, D, top);
-            for (int64_t j = 0; j < P + col + 1; j++) weights[j] = lk_exp(weights[j] - top);
-            float total = sum_of(weights, P + col + 1);
-            float *o = out + (n * H + h) * D;
-            for (int64_t i = 0; i < D; i++) o[i] = 0.0f;
-            if (P) weighted_sum(weights, shared_values + prompt, o, P, D, total);
-            weighted_sum(weights + P, values + own, o, col + 1, D, total);
+            for (int64_t n = first; n < last; n++) {
+                const float *c = cos + n * table_stride, *s = sin + n * table_stride;
+                const float *b = bias ? bias + n * S : 0;
+                int64_t own = (n * Hkv + h / rep) * S * D;
+                int64_t prompt = (n / G * Hkv + h / rep) * P * D;
+                rope_row(qkv + n * width + h * D, q, c, s, D);
+                float top = -FLT_MAX;
+                if (P)
+                    top = scores(q, shared_keys + prompt, shared_bias + n / G * P, weights, P,
+                                 D, top);
+                top = scores(q, keys + own, b, weights + P, col + 1, D, top);
+                for (int64_t j = 0; j < n_keys; j++) weights[j] = lk_exp(weights[j] - top);
+                float total = sum_of(weights, n_keys);
+                for (int64_t j = 0; j < n_keys; j++) weights[j] = weights[j] / total;
+                float *o = out + (n * H + h) * D;
+                for (int64_t i = 0; i < D; i++) o[i] = 0.0f;
+                if (P) weighted_sum(weights, shared_values + prompt, o, P, D);
+                weighted_sum(weights + P, values + own, o, col + 1, D);
+            }
         }
     }
 }
