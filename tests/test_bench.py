@@ -157,6 +157,38 @@ def test_the_step_floor_counts_every_dispatched_operation_and_each_product():
     assert floor["floor_replay_mb"] > 0
 
 
+def test_the_step_floor_counts_in_place_products():
+    """The replayed update's backward adds the second output's input gradient into the
+    first's in place (`addmm_`): four products in all, each counted as one; so are the
+    other in-place products."""
+    from labkit.bench import floor
+    from labkit.fast.replay import replayed
+
+    aten = torch.ops.aten
+    inp = torch.randn(8, 16, requires_grad=True)
+    w1, w2 = torch.randn(4, 16, requires_grad=True), torch.randn(6, 16, requires_grad=True)
+    kept = ((inp @ w1.t()).detach(), (inp @ w2.t()).detach())  # outside the step
+
+    def update():
+        first, second = replayed(inp, None, (w1, w2), (None, None), kept)
+        (first.sum() + second.sum()).backward()
+
+    calls, _ = floor.record_products(update)
+    assert [str(func) for func, _, _ in calls].count("aten.addmm_.default") == 1
+    assert step_floor(update, "cpu", replays=2)["floor_products"] == 4
+    c, d, acc = torch.randn(3, 8, 16), torch.randn(3, 16, 4), torch.zeros(3, 8, 4)
+    acc0, acc1, c0, d0 = acc[0], acc[1], c[0], d[0]  # views made outside the step
+
+    def in_place():
+        aten.baddbmm_.default(acc, c, d)
+        aten.addbmm_.default(acc0, c, d)
+        aten.addmm_.default(acc1, c0, d0)
+        aten.relu_.default(acc)
+
+    counted = step_floor(in_place, "cpu", replays=2)
+    assert counted["floor_products"] == 3 and counted["floor_ops"] == 4
+
+
 def test_the_step_floor_sees_the_backward_and_replays_expanded_inputs():
     """The backward's product counts too; its input is the loss's expanded (stride 0)
     gradient, which the replay rebuilds with the same overlapping strides."""

@@ -9,11 +9,12 @@ from typing import Any, NamedTuple
 
 from labkit.bench.timing import sync
 
-PRODUCTS = ("mm", "bmm", "addmm", "baddbmm", "addbmm", "linear", "matmul",
-            "_scaled_dot_product_flash_attention_for_cpu")
+PRODUCTS = ("mm", "bmm", "addmm", "baddbmm", "addbmm", "addmm_", "baddbmm_", "addbmm_",
+            "linear", "matmul", "_scaled_dot_product_flash_attention_for_cpu")
 """The aten matrix products. With autograd `F.linear` and `torch.matmul` reach a dispatch
 mode as mm, addmm or bmm; in inference mode (the rollout, the reference's pass) as
-themselves. The flash-attention kernel for CPUs (the decoder's attention on some CPUs,
+themselves. The in-place forms add a product into a tensor that holds a sum (the replayed
+update's input gradient, `labkit.fast.replay`, adds each product's share with `addmm_`). The flash-attention kernel for CPUs (the decoder's attention on some CPUs,
 `labkit.fast.kv.flash_decode`) counts whole: its two products and the softmax between them
 are one kernel, which the batched products it replaces counted as two products and a few
 other operations."""
