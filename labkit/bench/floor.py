@@ -14,7 +14,8 @@ PRODUCTS = ("mm", "bmm", "addmm", "baddbmm", "addbmm", "addmm_", "baddbmm_", "ad
 """The aten matrix products. With autograd `F.linear` and `torch.matmul` reach a dispatch
 mode as mm, addmm or bmm; in inference mode (the rollout, the reference's pass) as
 themselves. The in-place forms add a product into a tensor that holds a sum (the replayed
-update's input gradient, `labkit.fast.replay`, adds each product's share with `addmm_`). The flash-attention kernel for CPUs (the decoder's attention on some CPUs,
+update's input gradient, `labkit.fast.replay`, adds each product's share with `addmm_`).
+The flash-attention kernel for CPUs (the decoder's attention on some CPUs,
 `labkit.fast.kv.flash_decode`) counts whole: its two products and the softmax between them
 are one kernel, which the batched products it replaces counted as two products and a few
 other operations."""
