@@ -47,12 +47,9 @@ def select_rows(x: Tensor, index: Tensor) -> Tensor:
 
 def select_cache_rows(cache, index: Tensor) -> None:
     """Keep the rows `index` of a KV cache (`index` may repeat rows), in place, through
-    `select_rows`: labkit.fast's cache and a transformers cache whose layers hold `keys` and
-    `values`; any other cache uses its own `batch_select_indices`."""
+    `select_rows`: a transformers cache whose layers hold `keys` and `values`; any other
+    cache (labkit.fast's among them) uses its own `batch_select_indices`."""
     layers = getattr(cache, "layers", None)
-    if layers and all(isinstance(layer, tuple) for layer in layers):  # labkit.fast.FastCache
-        cache.layers = [(select_rows(k, index), select_rows(v, index)) for k, v in layers]
-        return
     if layers and all(isinstance(getattr(layer, "keys", None), Tensor)
                       and isinstance(getattr(layer, "values", None), Tensor) for layer in layers):
         for layer in layers:

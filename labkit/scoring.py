@@ -11,7 +11,9 @@ by default wherever it saves enough work) runs each distinct prompt of the rows 
 gradient, keeps its KV cache, repeats the cache over the rows of its group and runs only the
 completions against it. The gradient that reaches the prompt's keys and values from the G
 completions is summed by the indexing's backward, so the parameters get the same gradient
-as on the plain path.
+as on the plain path. `labkit.fast`'s cache repeats nothing where the rows are whole groups
+in order: its attention reads each prompt's keys once for the group (`FastCache`), and the
+products sum the gradient over the group.
 
 How a model runs is a `Forward` (`run(ids, mask, positions, cache, keep)`): `model_forward`
 is the model's own; `fast_forward` runs a supported model (Llama, Mistral, Qwen2, Qwen3)

@@ -81,6 +81,54 @@ def test_forward_with_and_without_a_cache_matches_the_model(model_and_tokenizer)
     torch.testing.assert_close(rest, want[:, -5:], atol=2e-5, rtol=1e-5)
 
 
+def test_a_prompt_cache_shared_by_groups_is_attended_in_place(model_and_tokenizer):
+    """Rows that repeat each prompt G times in order keep the prompts' cache as it is (one row
+    per prompt, `groups` = G) and attend to it in two blocks: the logits, the cache the pass
+    returns and the gradients reaching the prompt pass are those of the cache repeated per
+    row; a later selection of the grouped cache's rows repeats them as asked."""
+    model, tokenizer = model_and_tokenizer
+    G, u = 3, len(PROMPTS)
+    ids, mask = encode_prompts(tokenizer, PROMPTS)  # (u, P), left-padded
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    index = torch.arange(u).repeat_interleave(G)
+    more = torch.randint(3, len(tokenizer), (u * G, 5), generator=torch.Generator().manual_seed(1))
+    full_mask = torch.cat([mask[index], torch.ones_like(more)], 1)
+    more_positions = mask.sum(-1)[index][:, None] + torch.arange(5)
+    weights = torch.randn(u * G, 5, len(tokenizer), generator=torch.Generator().manual_seed(2))
+    outs, caches, grads = {}, {}, {}
+    for grouped in (True, False):
+        model.zero_grad(set_to_none=True)
+        _, cache = fast.lm_forward(model, ids, mask, positions)
+        if grouped:
+            cache.batch_select_indices(index)
+            assert cache.groups == G and cache.layers[0][0].shape[0] == u  # nothing copied
+        else:  # the cache repeated per row, then attended in one block
+            cache.layers = [(k[index], v[index]) for k, v in cache.layers]
+        logits, after = fast.lm_forward(model, more, full_mask, more_positions, cache, keep=5)
+        (logits * weights).sum().backward()
+        outs[grouped], caches[grouped] = logits.detach(), after.layers
+        grads[grouped] = {n: p.grad.clone() for n, p in model.named_parameters()
+                          if p.grad is not None}
+    torch.testing.assert_close(outs[True], outs[False], atol=2e-5, rtol=1e-5)
+    for (k1, v1), (k2, v2) in zip(caches[True], caches[False]):
+        assert k1.shape == k2.shape == (u * G, k2.shape[1], ids.shape[1] + 5, k2.shape[3])
+        torch.testing.assert_close(k1, k2, atol=2e-5, rtol=1e-5)
+        torch.testing.assert_close(v1, v2, atol=2e-5, rtol=1e-5)
+    assert grads[True].keys() == grads[False].keys()
+    for name, want in grads[False].items():
+        scale = want.abs().max().clamp(min=1e-12)
+        assert (grads[True][name] - want).abs().max() / scale < 1e-4, name
+    with torch.no_grad():  # some rows of a grouped cache: the repeated cache's same rows
+        _, cache = fast.lm_forward(model, ids, mask, positions)
+        plain = [(k[index], v[index]) for k, v in cache.layers]
+        cache.batch_select_indices(index)
+        rows = torch.tensor([7, 0, 11, 4])
+        cache.batch_select_indices(rows)
+        assert cache.groups == 1
+        for (k, v), (pk, pv) in zip(cache.layers, plain):
+            assert torch.equal(k, pk[rows]) and torch.equal(v, pv[rows])
+
+
 def _batch(model, tokenizer, **kwargs):
     args = dict(group_size=3, max_new_tokens=8, seed=3) | kwargs
     return rollout(model, tokenizer, PROMPTS, **args)

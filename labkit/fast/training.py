@@ -25,12 +25,48 @@ from labkit.reproducible import select_rows
 
 class FastCache:
     """Keys and values of earlier positions, per layer: (n, Hkv, S, D) each. Quacks like the
-    HF cache where `labkit.scoring` uses one (`batch_select_indices`)."""
+    HF cache where `labkit.scoring` uses one (`batch_select_indices`).
 
-    def __init__(self, layers: list[tuple[Tensor, Tensor]]):
-        self.layers = layers
+    `groups` > 1: the cache holds one row per prompt for `groups` consecutive rows each (a
+    group's completions over their shared prompt), and a pass over n = rows x `groups` rows
+    attends to it in two blocks (`_attention`) instead of to a copy repeated per row. A
+    layer may be given as a function that makes its (keys, values) when first read: the
+    cache a grouped pass returns joins each row's prompt block to its own keys only if asked.
+    """
+
+    def __init__(self, layers: list, groups: int = 1):
+        self._layers, self.groups = layers, groups
+
+    @property
+    def layers(self) -> list[tuple[Tensor, Tensor]]:
+        self._layers = [layer() if callable(layer) else layer for layer in self._layers]
+        return self._layers
+
+    @layers.setter
+    def layers(self, layers: list[tuple[Tensor, Tensor]]) -> None:
+        self._layers = layers
+
+    def layer(self, i: int):
+        """Layer i's (keys, values), made now if it was deferred."""
+        if callable(self._layers[i]):
+            self._layers[i] = self._layers[i]()
+        return self._layers[i]
 
     def batch_select_indices(self, index: Tensor) -> None:
+        """Keep the rows `index` (which may repeat rows). Where they are each row repeated
+        the same number of times in order (a group per prompt), the cache stays as it is and
+        its `groups` counts the repeats: nothing is copied."""
+        rows = self.layer(0)[0].shape[0] if self._layers else 0
+        if self.groups == 1 and rows and index.numel() > rows and index.numel() % rows == 0:
+            repeats = index.numel() // rows
+            if bool((index == torch.arange(rows, device=index.device)
+                     .repeat_interleave(repeats)).all()):
+                self.groups = repeats
+                return
+        if self.groups > 1:  # a selection of a grouped cache's rows: repeat them first
+            whole = torch.arange(self.layer(0)[0].shape[0], device=index.device)
+            index = whole.repeat_interleave(self.groups)[index]
+            self.groups = 1
         self.layers = [(select_rows(k, index), select_rows(v, index)) for k, v in self.layers]
 
 
@@ -165,13 +201,16 @@ class _ReplayedLayer(_TrainedLayer):
         return replayed(act, x, (self.w_down,), (self.b_down,), (self.kept[3],))[0]
 
 
-def _attention(past: tuple[Tensor, Tensor] | None, bias: Tensor, dtype, kept: list) -> Attend:
+def _attention(past: tuple[Tensor, Tensor] | None, bias: Tensor, dtype, kept: list,
+               groups: int = 1) -> Attend:
     """Attention of q (n, L, H, D), already scaled by 1/sqrt(D) (`scaled_tables`), over the
     cached keys `past` and the L new ones, in `dtype` (scores and softmax in fp32 with the
     additive `bias` (n, 1, L, S)); the layer's keys and values (n, Hkv, S, D) are appended
-    to `kept`."""
+    to `kept`. `groups` > 1: `past` has a row per `groups` rows of q (`FastCache`)."""
 
     def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        if groups > 1:
+            return _grouped_attention(q, k, v, past, bias, dtype, kept, groups)
         n, L, H, D = q.shape
         Hkv = k.shape[2]
         rep = H // Hkv
@@ -188,6 +227,44 @@ def _attention(past: tuple[Tensor, Tensor] | None, bias: Tensor, dtype, kept: li
         o = torch.matmul(probs.view(n, Hkv, rep * L, S), v)  # (n, Hkv, rep*L, D)
         return o.view(n, H, L, D).transpose(1, 2).reshape(n, L, H * D)
     return attend
+
+
+def _grouped_attention(q: Tensor, k: Tensor, v: Tensor, past: tuple[Tensor, Tensor],
+                       bias: Tensor, dtype, kept: list, G: int) -> Tensor:
+    """`_attention` where the P cached positions are one row per group of G rows of q: the
+    scores against them are one product per prompt and head over the group's G x L queries,
+    the scores among the L new positions one per row, both joined for the softmax; its
+    weights then take the prompt's values and the row's own. The prompt's keys and values
+    are never repeated per row, and their gradients come out of the products summed over
+    the group. The same sums as the one-block attention, split in two (last bits differ)."""
+    n, L, H, D = q.shape
+    Hkv = k.shape[2]
+    rep, u = H // Hkv, n // G
+    past_k, past_v = past[0].to(dtype), past[1].to(dtype)  # (u, Hkv, P, D)
+    P = past_k.shape[2]
+    # queries ordered (prompt, kv head | group row, query head in its kv group, position)
+    q = q.to(dtype).view(u, G, L, Hkv, rep, D).permute(0, 3, 1, 4, 2, 5)
+    q = q.reshape(u, Hkv, G * rep * L, D)
+    k_new = k.to(dtype).view(u, G, L, Hkv, D).permute(0, 3, 1, 2, 4)  # (u, Hkv, G, L, D)
+    v_new = v.to(dtype).view(u, G, L, Hkv, D).permute(0, 3, 1, 2, 4)
+    on_prompt = torch.matmul(q, past_k.transpose(2, 3))  # (u, Hkv, G*rep*L, P)
+    on_new = torch.matmul(q.view(u, Hkv, G, rep * L, D), k_new.transpose(3, 4))
+    scores = torch.cat([on_prompt, on_new.view(u, Hkv, G * rep * L, L)], dim=-1)
+    scores = scores.view(u, Hkv, G, rep, L, P + L) + bias.view(u, 1, G, 1, L, P + L)
+    probs = scores.softmax(-1).to(dtype).view(u, Hkv, G * rep * L, P + L)
+    o = torch.matmul(probs[..., :P], past_v).view(u, Hkv, G, rep * L, D) + \
+        torch.matmul(probs[..., P:].reshape(u, Hkv, G, rep * L, L), v_new)
+    kept.append(lambda: _joined(past_k, past_v, k_new, v_new, G))
+    return o.view(u, Hkv, G, rep, L, D).permute(0, 2, 4, 1, 3, 5).reshape(n, L, H * D)
+
+
+def _joined(past_k: Tensor, past_v: Tensor, k_new: Tensor, v_new: Tensor, G: int):
+    """A grouped pass's cache as the one-block pass keeps it: (n, Hkv, P + L, D) per row."""
+    u, Hkv, _, L, D = k_new.shape
+    index = torch.arange(u, device=past_k.device).repeat_interleave(G)
+    new = (t.transpose(1, 2).reshape(u * G, Hkv, L, D) for t in (k_new, v_new))
+    return tuple(torch.cat([select_rows(p, index), t], dim=2) for p, t in
+                 zip((past_k, past_v), new))
 
 
 def backbone(model, ids: Tensor, mask: Tensor, positions: Tensor,
@@ -211,8 +288,8 @@ def backbone(model, ids: Tensor, mask: Tensor, positions: Tensor,
     bias = attention_bias(mask, ids.shape[1], torch.float32)
     kept: list[tuple[Tensor, Tensor]] = []
     for i, block in enumerate(base.layers):
-        past = None if cache is None else cache.layers[i]
-        attend = _attention(past, bias, dtype, kept)
+        past = None if cache is None else cache.layer(i)
+        attend = _attention(past, bias, dtype, kept, 1 if cache is None else cache.groups)
         if replay is None:
             ops = _TrainedLayer(block, weights[i], dims, dtype)
         else:  # the layer's outputs go with it: what the graph does not keep is freed
