@@ -4,6 +4,7 @@ and the fallback where they cannot be built."""
 
 import copy
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -128,6 +129,30 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(K):
     alone = K.rope_attend(qkv[group], cos[group], sin[group], keys[group].clone(),
                           values[group].clone(), None, t, (pk[1:2], pv[1:2], pb[1:2]))
     assert torch.equal(alone, every[group])
+
+
+@pytest.mark.parametrize("threads", [2, 3, 5])
+def test_the_attention_on_torchs_threads_gives_the_bits_of_one_thread(K, threads):
+    # (group, head) items split unevenly over the threads: 24 and 12 of them
+    plain = _attention_case(N=6, seed=4)
+    qkv, cos, sin, keys, values, t, shared, _ = _shared_case(B=3, G=2, seed=5)
+    held = torch.get_num_threads()
+    got = {}
+    try:
+        for n in (1, threads):
+            torch.set_num_threads(n)
+            a = K.rope_attend(*plain[:3], plain[3].clone(), plain[4].clone(), *plain[5:7])
+            b = K.rope_attend(qkv, cos, sin, keys.clone(), values.clone(), None, t, shared)
+            got[n] = (a, b)
+    finally:
+        torch.set_num_threads(held)
+    assert torch.equal(got[1][0], got[threads][0]) and torch.equal(got[1][1], got[threads][1])
+
+
+def test_the_kernels_find_torchs_openmp_threads_where_torch_runs_on_gnu_openmp(K):
+    maps = Path("/proc/self/maps")  # Linux: what the process has loaded
+    gomp = maps.exists() and "libgomp" in maps.read_text()
+    assert K.threaded == gomp
 
 
 def test_bad_inputs_name_the_argument_before_any_c_runs(K):

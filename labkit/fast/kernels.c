@@ -161,6 +161,71 @@ static inline void weighted_sum(const float *restrict p, const float *restrict v
     }
 }
 
+/* One decode step's attention, the part `lk_rope_attend` hands a thread: the (group, head)
+ * items lo..hi - 1, item = group * H + head, in that order. */
+struct attend {
+    const float *qkv, *cos, *sin;
+    int64_t table_stride;
+    const float *keys, *values, *bias;
+    int64_t S, col;
+    const float *shared_keys, *shared_values, *shared_bias;
+    int64_t P, G;
+    float *out;
+    int64_t N, H, Hkv, D, lo, hi;
+};
+
+static void attend_items(const struct attend *a) {
+    int64_t H = a->H, D = a->D, G = a->G, P = a->P, S = a->S;
+    int64_t width = (H + 2 * a->Hkv) * D, rep = H / a->Hkv, n_keys = P + a->col + 1;
+    float q[D], weights[n_keys];
+    for (int64_t item = a->lo; item < a->hi; item++) {
+        int64_t first = item / H * G, h = item % H;
+        int64_t last = first + G < a->N ? first + G : a->N;
+        for (int64_t n = first; n < last; n++) {
+            const float *c = a->cos + n * a->table_stride, *s = a->sin + n * a->table_stride;
+            const float *b = a->bias ? a->bias + n * S : 0;
+            int64_t own = (n * a->Hkv + h / rep) * S * D;
+            int64_t prompt = (n / G * a->Hkv + h / rep) * P * D;
+            rope_row(a->qkv + n * width + h * D, q, c, s, D);
+            float top = -FLT_MAX;
+            if (P)
+                top = scores(q, a->shared_keys + prompt, a->shared_bias + n / G * P, weights,
+                             P, D, top);
+            top = scores(q, a->keys + own, b, weights + P, a->col + 1, D, top);
+            for (int64_t j = 0; j < n_keys; j++) weights[j] = lk_exp(weights[j] - top);
+            float total = sum_of(weights, n_keys);
+            for (int64_t j = 0; j < n_keys; j++) weights[j] = weights[j] / total;
+            float *o = a->out + (n * H + h) * D;
+            for (int64_t i = 0; i < D; i++) o[i] = 0.0f;
+            if (P) weighted_sum(weights, a->shared_values + prompt, o, P, D);
+            weighted_sum(weights + P, a->values + own, o, a->col + 1, D);
+        }
+    }
+}
+
+/* Threads from the OpenMP runtime torch runs on, when `lk_use_openmp` was given its
+ * entry points (GCC's libgomp: GOMP_parallel runs fn(data) on a team of up to n threads,
+ * the caller's among them); else one thread. No OpenMP at build time: the kernels use the
+ * runtime, and its threads, that the process already has. */
+typedef void (*parallel_fn)(void (*)(void *), void *, unsigned, unsigned);
+typedef int (*team_fn)(void);
+static parallel_fn omp_parallel;
+static team_fn omp_thread, omp_threads;
+
+void lk_use_openmp(void *parallel, void *thread_num, void *num_threads) {
+    omp_parallel = (parallel_fn)parallel;
+    omp_thread = (team_fn)thread_num;
+    omp_threads = (team_fn)num_threads;
+}
+
+static void attend_share(void *job) {
+    struct attend part = *(const struct attend *)job;
+    int64_t items = part.hi, t = omp_thread(), n = omp_threads();
+    part.lo = items * t / n;
+    part.hi = items * (t + 1) / n;
+    attend_items(&part);
+}
+
 /* One decode step's attention for N rows: qkv (N, (H + 2 Hkv) D) from the q, k, v product
  * (the attention scale already in q); cos, sin (N, D) with rows `table_stride` apart; keys,
  * values (N, Hkv, S, D), into which this step's rotated k and its v go at position `col`,
@@ -171,49 +236,33 @@ static inline void weighted_sum(const float *restrict p, const float *restrict v
  * (N, H D). Query head h reads key/value head h / (H / Hkv); the bias is 0, or the
  * dtype's minimum on prompt padding. A group's rows go head by head, so that a head's
  * prompt keys and values are read from memory once for the group; each (row, head) is
- * computed alone, the same whatever rows are beside it. */
+ * computed alone, the same whatever rows are beside it. The (group, head) items are split
+ * into up to `threads` runs of consecutive items, one per OpenMP thread (`lk_use_openmp`):
+ * which thread computes an item changes none of its bits. */
 void lk_rope_attend(const float *restrict qkv, const float *restrict cos,
                     const float *restrict sin, int64_t table_stride, float *restrict keys,
                     float *restrict values, const float *restrict bias, int64_t S,
                     int64_t col, const float *restrict shared_keys,
                     const float *restrict shared_values, const float *restrict shared_bias,
                     int64_t P, int64_t G, float *restrict out, int64_t N, int64_t H,
-                    int64_t Hkv, int64_t D) {
-    int64_t width = (H + 2 * Hkv) * D, rep = H / Hkv;
+                    int64_t Hkv, int64_t D, int64_t threads) {
+    int64_t width = (H + 2 * Hkv) * D;
     if (!shared_keys) P = 0;
-    int64_t n_keys = P + col + 1;
-    float q[D], weights[n_keys];
-    for (int64_t first = 0; first < N; first += G) {
-        int64_t last = first + G < N ? first + G : N;
-        for (int64_t n = first; n < last; n++) {
-            const float *c = cos + n * table_stride, *s = sin + n * table_stride;
-            const float *row = qkv + n * width;
-            for (int64_t g = 0; g < Hkv; g++) {
-                int64_t at = ((n * Hkv + g) * S + col) * D;
-                rope_row(row + (H + g) * D, keys + at, c, s, D);
-                memcpy(values + at, row + (H + Hkv + g) * D, (size_t)D * sizeof(float));
-            }
-        }
-        for (int64_t h = 0; h < H; h++) {
-            for (int64_t n = first; n < last; n++) {
-                const float *c = cos + n * table_stride, *s = sin + n * table_stride;
-                const float *b = bias ? bias + n * S : 0;
-                int64_t own = (n * Hkv + h / rep) * S * D;
-                int64_t prompt = (n / G * Hkv + h / rep) * P * D;
-                rope_row(qkv + n * width + h * D, q, c, s, D);
-                float top = -FLT_MAX;
-                if (P)
-                    top = scores(q, shared_keys + prompt, shared_bias + n / G * P, weights, P,
-                                 D, top);
-                top = scores(q, keys + own, b, weights + P, col + 1, D, top);
-                for (int64_t j = 0; j < n_keys; j++) weights[j] = lk_exp(weights[j] - top);
-                float total = sum_of(weights, n_keys);
-                for (int64_t j = 0; j < n_keys; j++) weights[j] = weights[j] / total;
-                float *o = out + (n * H + h) * D;
-                for (int64_t i = 0; i < D; i++) o[i] = 0.0f;
-                if (P) weighted_sum(weights, shared_values + prompt, o, P, D);
-                weighted_sum(weights + P, values + own, o, col + 1, D);
-            }
+    for (int64_t n = 0; n < N; n++) {
+        const float *c = cos + n * table_stride, *s = sin + n * table_stride;
+        const float *row = qkv + n * width;
+        for (int64_t g = 0; g < Hkv; g++) {
+            int64_t at = ((n * Hkv + g) * S + col) * D;
+            rope_row(row + (H + g) * D, keys + at, c, s, D);
+            memcpy(values + at, row + (H + Hkv + g) * D, (size_t)D * sizeof(float));
         }
     }
+    struct attend job = {qkv, cos, sin, table_stride, keys, values, bias, S, col,
+                         shared_keys, shared_values, shared_bias, P, G, out, N, H, Hkv, D,
+                         0, (N + G - 1) / G * H};
+    if (threads > job.hi) threads = job.hi;
+    if (threads > 1 && omp_parallel)
+        omp_parallel(attend_share, &job, (unsigned)threads, 0);
+    else
+        attend_items(&job);
 }

@@ -8,7 +8,10 @@ to C, against 69 (95 reading a shared prompt) without. They are compiled once pe
 its C compiler (`CC`, else cc, gcc or clang), into `LABKIT_KERNELS_DIR` (default
 ~/.cache/labkit/kernels), and loaded with ctypes: no build step at install, no torch
 headers. Where no compiler is found or the build fails, `load()` is None, `reason()` says
-why and the decoder runs its torch operations. `LABKIT_KERNELS=0` turns them off.
+why and the decoder runs its torch operations. `LABKIT_KERNELS=0` turns them off. The
+attention shares its (group, head) work among torch's own threads where torch runs on GNU
+OpenMP (`openmp_runtime`; `torch.get_num_threads()` of them), each item computed as on one
+thread, so the thread count moves no bit.
 
 `labkit.fast.decoder` uses them on a CPU for fp32 models under `FUSED_MAX_PARAMS`, with
 either KV strategy (its keys kept (position, D): `by_row`); `tests/test_kernels.py` holds
@@ -38,7 +41,11 @@ SOURCE = Path(__file__).with_name("kernels.c")
 FUSED_MAX_PARAMS = 32_000_000
 """The decoder uses the kernels for models with fewer parameters than this: measured faster
 on the embedded model (0.44 M) and on the bench's small one (26 M), docs/performance.md.
-Larger models are unmeasured, and the kernels' attention runs on one thread."""
+Larger models are unmeasured; the norms and SwiGLU run on one thread, the attention on torch's
+(`openmp_runtime`)."""
+OPENMP_ENTRIES = ("GOMP_parallel", "omp_get_thread_num", "omp_get_num_threads")
+"""What the attention takes of GNU OpenMP's runtime: the call a compiled parallel region
+makes, and a team member's number and the team's size."""
 
 _FLAGS = ("-O3", "-fPIC", "-shared", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math")
 _NATIVE = ("-march=native",)
@@ -108,10 +115,17 @@ class Kernels:
         lib.lk_rms_rows.argtypes = [p, p, i64, i64, f32]
         lib.lk_swiglu.argtypes = [p, p, i64, i64]
         lib.lk_rope_attend.argtypes = [p, p, p, i64, p, p, p, i64, i64, p, p, p, i64, i64, p,
-                                       i64, i64, i64, i64]
-        for f in (lib.lk_rms_rows, lib.lk_swiglu, lib.lk_rope_attend):
+                                       i64, i64, i64, i64, i64]
+        lib.lk_use_openmp.argtypes = [p, p, p]
+        for f in (lib.lk_rms_rows, lib.lk_swiglu, lib.lk_rope_attend, lib.lk_use_openmp):
             f.restype = None
+        runtime = openmp_runtime()
+        if runtime is not None:
+            lib.lk_use_openmp(*(ctypes.cast(getattr(runtime, name), p)
+                                for name in OPENMP_ENTRIES))
         self.lib, self.path = lib, path
+        self.threaded = runtime is not None
+        """Whether the attention runs on torch's OpenMP threads (`openmp_runtime`)."""
 
     def rms_rows(self, x: Tensor, eps: float) -> Tensor:
         """x / sqrt(mean(x^2, -1) + eps) for x (rows, n)."""
@@ -174,8 +188,31 @@ class Kernels:
         self.lib.lk_rope_attend(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), cos.stride(0),
                                 keys.data_ptr(), values.data_ptr(),
                                 None if bias is None else bias.data_ptr(), S, col, *prompt,
-                                out.data_ptr(), N, H, Hkv, D)
+                                out.data_ptr(), N, H, Hkv, D, torch.get_num_threads())
         return out
+
+
+def openmp_runtime() -> ctypes.CDLL | None:
+    """The GNU OpenMP runtime (libgomp) this process has loaded, which torch's own threads
+    run on, or None (another runtime, none, or not Linux). The attention kernel runs its
+    work on that runtime's threads through the entry points GCC compiles a parallel region
+    into, so it shares torch's threads (idle and waiting between torch's operations) rather
+    than starting threads of its own that would compete with them for the cores."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "libgomp" in line}
+    except OSError:
+        return None
+    for path in sorted(paths):
+        if not Path(path).name.startswith("libgomp"):
+            continue
+        try:
+            runtime = ctypes.CDLL(path)
+        except OSError:
+            continue
+        if all(hasattr(runtime, name) for name in OPENMP_ENTRIES):
+            return runtime
+    return None
 
 
 def _check(t: Tensor, name: str, dims: int) -> None:
