@@ -39,8 +39,8 @@ class FastCache:
 
     @property
     def layers(self) -> list[tuple[Tensor, Tensor]]:
-        self._layers = [layer() if callable(layer) else layer for layer in self._layers]
-        return self._layers
+        """Every layer's (keys, values), the deferred ones made now."""
+        return [self.layer(i) for i in range(len(self._layers))]
 
     @layers.setter
     def layers(self, layers: list[tuple[Tensor, Tensor]]) -> None:
@@ -59,15 +59,18 @@ class FastCache:
         rows = self.layer(0)[0].shape[0] if self._layers else 0
         if self.groups == 1 and rows and index.numel() > rows and index.numel() % rows == 0:
             repeats = index.numel() // rows
-            if bool((index == torch.arange(rows, device=index.device)
-                     .repeat_interleave(repeats)).all()):
+            if bool((index == _in_groups(rows, repeats, index.device)).all()):
                 self.groups = repeats
                 return
         if self.groups > 1:  # a selection of a grouped cache's rows: repeat them first
-            whole = torch.arange(self.layer(0)[0].shape[0], device=index.device)
-            index = whole.repeat_interleave(self.groups)[index]
+            index = _in_groups(rows, self.groups, index.device)[index]
             self.groups = 1
         self.layers = [(select_rows(k, index), select_rows(v, index)) for k, v in self.layers]
+
+
+def _in_groups(rows: int, G: int, device) -> Tensor:
+    """Each of `rows` rows' index repeated G times, in order: (rows * G,)."""
+    return torch.arange(rows, device=device).repeat_interleave(G)
 
 
 def _layer_weights(model, dtype) -> list[tuple]:
@@ -261,7 +264,7 @@ def _grouped_attention(q: Tensor, k: Tensor, v: Tensor, past: tuple[Tensor, Tens
 def _joined(past_k: Tensor, past_v: Tensor, k_new: Tensor, v_new: Tensor, G: int):
     """A grouped pass's cache as the one-block pass keeps it: (n, Hkv, P + L, D) per row."""
     u, Hkv, _, L, D = k_new.shape
-    index = torch.arange(u, device=past_k.device).repeat_interleave(G)
+    index = _in_groups(u, G, past_k.device)
     new = (t.transpose(1, 2).reshape(u * G, Hkv, L, D) for t in (k_new, v_new))
     return tuple(torch.cat([select_rows(p, index), t], dim=2) for p, t in
                  zip((past_k, past_v), new))
