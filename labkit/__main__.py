@@ -75,21 +75,23 @@ def run_eval(args) -> dict:
     return figures
 
 
-def parse_value(text: str, kind: type, name: str):
-    """A command-line string as the field's type: bools take true/false, optionals 'none'."""
-    if text.lower() == "none":
-        return None
-    if kind is bool:
-        if text.lower() in ("true", "1", "yes", "on"):
-            return True
-        if text.lower() in ("false", "0", "no", "off"):
-            return False
-        raise ValueError(f"--{name.replace('_', '-')} must be true or false, got {text!r}")
-    try:
-        return kind(text)
-    except ValueError:
-        raise ValueError(f"--{name.replace('_', '-')} must be {kind.__name__}, got {text!r}"
-                         ) from None
+def config_fields(pairs, who) -> dict:
+    """(field, text) pairs -> TrainConfig values, each text read by `labkit.fields.parse`
+    (the reader of every entry point); `who(name)` is how an error names the option."""
+    from labkit.config import TrainConfig, field_types
+    from labkit.fields import parse_field
+
+    known, given = field_types(), {}
+    for name, text in pairs:
+        if name not in known:
+            raise ValueError(f"{who(name)}: not a TrainConfig field (valid: {sorted(known)})")
+        given[name] = parse_field(TrainConfig, name, text, who(name))
+    return given
+
+
+def option(name: str) -> str:
+    """A field's command-line option: `--group-size` for group_size."""
+    return f"--{name.replace('_', '-')}"
 
 
 class _LinesFormatter(argparse.HelpFormatter):
@@ -114,7 +116,7 @@ def _train_parser(sub) -> None:
     for f in fields(TrainConfig):
         default = f.default if f.default is not MISSING else None
         among = f" Choices: {choices[f.name]}." if f.name in choices else ""
-        cmd.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, default=None,
+        cmd.add_argument(option(f.name), dest=f.name, default=None,
                          metavar="VALUE", help=f"{docs.get(f.name, '')}{among} (default: "
                                                f"{default!r})".replace("%", "%%").lstrip())
 
@@ -122,9 +124,8 @@ def _train_parser(sub) -> None:
 def run_train(args) -> dict:
     from labkit.config import TrainConfig, field_types
 
-    types = field_types()
-    given = {name: parse_value(getattr(args, name), kind, name) for name, kind in types.items()
-             if getattr(args, name) is not None}
+    given = config_fields([(name, getattr(args, name)) for name in field_types()
+                           if getattr(args, name) is not None], option)
     if args.resume is not None:
         if given:
             raise ValueError(f"--resume continues a run with its own config; drop {sorted(given)}")
@@ -168,7 +169,7 @@ def _diagnose_parser(sub) -> None:
 
 
 def run_diagnose(args) -> dict:
-    from labkit.config import TrainConfig, field_types
+    from labkit.config import TrainConfig
     from labkit.diagnose import DiagSettings, diagnose_trainer, from_run, table
 
     if args.threads is not None:
@@ -179,11 +180,7 @@ def run_diagnose(args) -> dict:
         torch.set_num_threads(args.threads)
     settings = DiagSettings(prompts=args.prompts, group_size=args.group_size,
                             batches=args.batches, samples=args.samples, seed=args.seed)
-    types, given = field_types(), {}
-    for name, value in args.fields:
-        if name not in types:
-            raise ValueError(f"--set {name}: not a TrainConfig field (valid: {sorted(types)})")
-        given[name] = parse_value(value, types[name], name)
+    given = config_fields(args.fields, lambda name: f"--set {name}")
     given.setdefault("progress", False)
     if args.run is not None:
         trainer, step = from_run(args.run, given)

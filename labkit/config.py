@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Literal
 
-from labkit import stops
+from labkit import grammar, stops
 from labkit.advantages import ESTIMATORS, NEEDS, Scale
 from labkit.fields import base_types, bounded, check, choice, choices, docs
 from labkit.loss_modes import LOSS_SPECS
@@ -84,8 +84,8 @@ class TrainConfig:
     """Sampling temperature; the log-probs of the update use the same one."""
     top_p: float = bounded(1.0, gt=0, le=1)
     """Nucleus sampling: 1.0 turns it off."""
-    top_k: int = bounded(0, ge=0)
-    """Top-k sampling: 0 turns it off."""
+    top_k: int | None = bounded(None, ge=1)
+    """Top-k sampling: keep the k most likely tokens; None turns it off."""
     score_truncated: bool = False
     """Grade completions that hit max_new_tokens without EOS; False scores them 0 (they never
     finished), which keeps the policy from learning to run on past its answer."""
@@ -361,7 +361,7 @@ class TrainConfig:
             raise ValueError(f"overlong_buffer={self.overlong_buffer} must be <= "
                              f"max_new_tokens={self.max_new_tokens}: the penalty zone is the "
                              "end of the budget")
-        if self.lora_rank and not [t for t in self.lora_targets.split(",") if t.strip()]:
+        if self.lora_rank and not grammar.items(self.lora_targets, "lora_targets"):
             raise ValueError("lora_targets must name at least one layer (comma-separated), "
                              f"got {self.lora_targets!r}")
         if self.kl_target is not None and self.beta == 0:
@@ -477,12 +477,14 @@ class TrainConfig:
     @classmethod
     def from_dict(cls, values: dict) -> TrainConfig:
         """The config of a config.json; `lean`, the name `fast` had in older run
-        directories, is read as `fast`, and a PPO run's `estimator: grpo` (older runs, whose
-        PPO ignored the field) as `gae`."""
+        directories, is read as `fast`, a PPO run's `estimator: grpo` (older runs, whose
+        PPO ignored the field) as `gae`, and `top_k: 0` (older runs' "off") as None."""
         if "lean" in values and "fast" not in values:
             values = {("fast" if k == "lean" else k): v for k, v in values.items()}
         if values.get("algo") == "ppo" and values.get("estimator") == "grpo":
             values = {**values, "estimator": "gae"}  # older runs: PPO ignored the field
+        if values.get("top_k") == 0:
+            values = {**values, "top_k": None}  # older runs turned top-k off with 0
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:

@@ -89,7 +89,7 @@ def lm_sampler(policy, tokenizer, problems: Sequence, config, *, critic=None,
     def draw(group_size: int, seed: int) -> Draw:
         batch = rollout(policy, tokenizer, prompts, group_size=group_size,
                         max_new_tokens=config.max_new_tokens, temperature=config.temperature,
-                        top_k=config.top_k, top_p=config.top_p, seed=seed,
+                        top_k=config.top_k or 0, top_p=config.top_p, seed=seed,
                         decoder=passes.decoder)
         answers = [p.answer for p in problems for _ in range(group_size)]
         rewards = torch.tensor(check_rewards(reward_fn(batch.texts, answer=answers),

@@ -4,11 +4,19 @@ The type hint gives the type (`X | None` also allows None), a `Literal` the choi
 `Registry` in the field's metadata (`choice`) the functions it may name, and `bounded` the
 numeric bounds. `check` raises ValueError naming the field and the rule it breaks. The
 string under a field in the class body is its docstring (`docs`), which --help shows.
+
+`parse` reads a value given as text (a command-line option, `diagnose --set`, `run -p`, an
+arm's FIELD=VALUE) or as YAML gives it (a sweep's values) as the field's type: the one reader
+of every entry point, with one rule for `none`. Where the field's choices (a `Literal` or a
+registry) include `none`, the text `none` is that choice; elsewhere it is None for an
+optional field (`X | None`) and the text itself for a string; a field's default is given by
+leaving it out. A boolean is spelled true/false, yes/no, on/off or 1/0, in any case.
 """
 
 from __future__ import annotations
 
 import math
+import re
 import types
 from dataclasses import field, fields
 from typing import Literal, Union, get_args, get_origin, get_type_hints
@@ -29,6 +37,82 @@ def choice(default: str, registry: Registry):
     return field(default=default, metadata={"registry": registry})
 
 
+TRUE, FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
+"""The spellings of a boolean (any case) that `parse` accepts."""
+
+
+def parse(value, hint, who: str, meta=None):
+    """`value` as a field of type `hint` (and metadata `meta`): text is read by the module
+    docstring's rules, a value that is already typed (YAML's, JSON's) is checked, an int
+    becoming a float where a float is due. Only the type is checked here (bounds, choices and
+    rules are the config's). ValueError starts with `who` ("--lr", "parameter lr of
+    01.ipynb") and names the type and the value."""
+    args = _args(hint)
+    optional = type(None) in args
+    kind = next((a for a in args if a is not type(None)), type(None))
+    named = _named(kind, meta or {})
+    base = str if named is not None else kind
+    if not isinstance(value, str):
+        return _typed(value, base, optional, who)
+    text = value.strip()
+    if text.lower() == "none":
+        if named is not None and "none" in named:
+            return "none"
+        if optional:
+            return None
+    if base is str:
+        return value
+    if base is bool:
+        if text.lower() in TRUE + FALSE:
+            return text.lower() in TRUE
+    elif base is int:
+        if re.fullmatch(r"[-+]?\d+", text):
+            return int(text)
+    elif base is float:
+        try:
+            return float(text)
+        except ValueError:
+            pass
+    raise ValueError(f"{who} must be {_kind_words(base, optional)}, got {value!r}")
+
+
+def parse_field(cls, name: str, value, who: str | None = None):
+    """`parse` for the field `name` of the dataclass `cls`; `who` defaults to `name`."""
+    f = {f.name: f for f in fields(cls)}[name]
+    return parse(value, get_type_hints(cls)[name], who or name, f.metadata)
+
+
+def _named(kind, meta) -> tuple[str, ...] | None:
+    """The names a choice field may take (a `Literal`'s, a registry's); None for another."""
+    if get_origin(kind) is Literal:
+        return get_args(kind)
+    if "registry" in meta:
+        return tuple(meta["registry"])
+    return None
+
+
+def _typed(value, base: type, optional: bool, who: str):
+    """A value already of the field's type (a string for a string field or a choice)."""
+    if value is None and optional:
+        return None
+    if base is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, base) and (base is bool or not isinstance(value, bool)):
+        return value
+    raise ValueError(f"{who} must be {_kind_words(base, optional)}, got {value!r} "
+                     f"({type(value).__name__})")
+
+
+def _kind_words(base: type, optional: bool) -> str:
+    words = {bool: "bool (true or false; yes/no, on/off, 1/0)", int: "int", float: "float",
+             str: "str"}.get(base, base.__name__)
+    return words + (" or none" if optional else "")
+
+
+def _args(hint) -> tuple:
+    return get_args(hint) if get_origin(hint) in (Union, types.UnionType) else (hint,)
+
+
 def check(instance) -> None:
     """Every field of a dataclass instance against its annotation and metadata."""
     hints = get_type_hints(type(instance))
@@ -39,7 +123,7 @@ def check(instance) -> None:
 def _check_field(name: str, value, hint, meta) -> None:
     """One field against its annotation (`X | None` allows None; a `Literal`, bool, str, int
     or float) and its metadata (a registry, or bounds)."""
-    args = get_args(hint) if get_origin(hint) in (Union, types.UnionType) else (hint,)
+    args = _args(hint)
     optional = type(None) in args
     kind = next(a for a in args if a is not type(None))
     if value is None and optional:

@@ -21,6 +21,8 @@ from pathlib import Path
 
 from torch import nn
 
+from labkit import grammar
+
 
 def require_peft():
     """The `peft` module, or ImportError naming the extra to install."""
@@ -36,7 +38,7 @@ def lora_config(config):
     from labkit.models import EMBEDDED, EMBEDDED_PATH
 
     peft = require_peft()
-    targets = [t.strip() for t in config.lora_targets.split(",") if t.strip()]
+    targets = grammar.items(config.lora_targets, "lora_targets")
     base = EMBEDDED_PATH if config.model is None else EMBEDDED.get(config.model, config.model)
     return peft.LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha,
                            target_modules=targets, lora_dropout=0.0, bias="none",

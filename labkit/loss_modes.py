@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import inspect
 import math
-import re
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from labkit.grammar import Cursor
 from labkit.losses import _check_clip, _fraction, _surrogate_inputs, aggregate, clipped_surrogate
 from labkit.metrics import masked_mean
 from labkit.registry import Registry
@@ -286,7 +286,8 @@ def _zero_padding(per_token: Tensor, m: Tensor) -> Tensor:
 
 # --- a mode with its options, as the config names it: "sapo(tau_pos=1.0, tau_neg=1.05)" ---
 
-_SPEC = re.compile(r"^\s*(?P<name>[^()\s]+)\s*(?:\((?P<args>[^()]*)\))?\s*$")
+FORM = "NAME or NAME(OPTION=NUMBER, ...)"
+"""The form of the config's `loss`, for its errors."""
 
 
 def options_of(fn) -> dict[str, float]:
@@ -296,24 +297,27 @@ def options_of(fn) -> dict[str, float]:
 
 
 def parse_loss(spec: str, field: str = "loss") -> tuple[object, dict[str, float]]:
-    """`name` or `name(k=v, ...)` -> (the mode's function, its options with the defaults
-    filled in). ValueError names `field`, the mode and the option."""
-    match = _SPEC.match(spec) if isinstance(spec, str) else None
-    if match is None:
+    """`name` or `name(k=v, ...)` (labkit.grammar's tokens) -> (the mode's function, its
+    options with the defaults filled in). ValueError names `field`, the mode and the option."""
+    if not isinstance(spec, str):
         raise ValueError(f"{field} must be a loss mode name or name(option=value, ...), "
                          f"got {spec!r}")
-    fn = POLICY_LOSSES.resolve(match["name"], field)
+    at = Cursor(spec, field, FORM)
+    name = at.path("a loss mode")
+    fn = POLICY_LOSSES.resolve(name.text, field)
     known, given = options_of(fn), {}
-    for part in filter(None, (p.strip() for p in (match["args"] or "").split(","))):
-        key, eq, value = (s.strip() for s in part.partition("="))
-        if not eq or key not in known:
-            raise ValueError(f"{field}={spec!r}: {match['name']} takes {sorted(known)} as "
-                             f"option=value, got {part!r}")
-        try:
-            given[key] = float(value)
-        except ValueError:
-            raise ValueError(f"{field}={spec!r}: option {key} must be a number, got "
-                             f"{value!r}") from None
+    if at.take("("):
+        while not at.peek().is_op(")"):
+            if given:
+                at.expect(",", "',' or ')'")
+            key = at.expect("name", "an option")
+            if key.text not in known or key.text in given:
+                raise at.error(f"{name.text} takes {sorted(known)} as option=value, each "
+                               f"once, got {key.text!r}", key)
+            at.expect("=", f"'=' after {key.text}")
+            given[key.text] = at.number(f"option {key.text}")
+        at.next()
+    at.expect("end", "the end")
     return fn, {**known, **given}
 
 
@@ -323,6 +327,10 @@ class LossSpecs:
     def resolve(self, spec, field: str | None = None):
         fn, options = parse_loss(spec, field or "loss")
         return fn
+
+    def __iter__(self):
+        """The registered modes' names."""
+        return iter(POLICY_LOSSES)
 
     def describe(self, sep: str = "; ") -> str:
         def with_options(name: str) -> str:

@@ -1,7 +1,7 @@
 """The config's `reward`: a small expression over labkit.rewards, checked when the config is
 made and built into one TRL-signature reward function for the trainer.
 
-Grammar (spaces are ignored):
+Grammar (labkit.grammar's tokens; spaces only separate them):
 
     spec   := ['-'] term (('+' | '-') term)*
     term   := [NUMBER '*'] reward
@@ -25,11 +25,12 @@ import itertools
 import math
 import numbers
 import random
-import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from dataclasses import field as dataclass_field
 from functools import lru_cache
 
+from labkit.grammar import Cursor, GrammarError
 from labkit.rewards import (REWARDS, RewardError, RewardFn, check_rewards, combine, correctness,
                             shaped)
 
@@ -94,149 +95,117 @@ WRAPPERS = {
 
 @dataclass(frozen=True)
 class Term:
-    """One `weight * reward` of a spec; `base` is a wrapper's argument (None: correctness)."""
+    """One `weight * reward` of a spec; `base` is a wrapper's argument (None: correctness);
+    `pos` where the reward's name starts in the spec's text."""
 
     weight: float
     name: str
     base: tuple[Term, ...] | None = None
     params: tuple[tuple[str, float], ...] = ()
+    pos: int = dataclass_field(default=0, compare=False)
 
 
-_TOKEN = re.compile(r"\s*(?:(?P<number>(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)"
-                    r"|(?P<name>[A-Za-z_][\w.]*(?::[A-Za-z_][\w.]*)?)|(?P<op>[-+*(),=]))")
+FORM = "a sum of [NUMBER*]REWARD, a wrapper REWARD(KEY=NUMBER, ...) among them"
 
 
-def _tokens(text: str) -> list[tuple[str, str]]:
-    """(kind, text) pairs, kind one of number, name, op; a last ('end', '')."""
-    out, pos = [], 0
-    while text[pos:].strip():
-        m = _TOKEN.match(text, pos)
-        if m is None:
-            bad = text[pos:].lstrip()[0]
-            raise ValueError(f"unexpected {bad!r} at position {text.index(bad, pos)}")
-        kind = m.lastgroup
-        out.append((kind, m.group(kind)))
-        pos = m.end()
-    return out + [("end", "")]
-
-
-class _Parser:
-    """Recursive descent over the grammar of the module docstring."""
-
-    def __init__(self, text: str):
-        self.tokens, self.i = _tokens(text), 0
-
-    def peek(self) -> tuple[str, str]:
-        return self.tokens[self.i]
-
-    def take(self, kind: str, what: str) -> str:
-        """The next token, which must be of `kind` (number, name, end) or the operator `kind`."""
-        found_kind, found = self.tokens[self.i]
-        if kind != found_kind and (found_kind, found) != ("op", kind):
-            raise ValueError(f"expected {what}, got {repr(found) if found else 'the end'}")
-        self.i += 1
-        return found
+class _Parser(Cursor):
+    """Recursive descent over the grammar of the module docstring (labkit.grammar's
+    tokens)."""
 
     def spec(self) -> tuple[Term, ...]:
-        terms, sign = [], 1.0
-        if self.peek() in (("op", "+"), ("op", "-")):
-            sign = -1.0 if self.take("op", "a sign") == "-" else 1.0
+        terms, sign = [], -1.0 if self.take("-") else 1.0
+        if sign > 0:
+            self.take("+")
         while True:
             terms.append(self.term(sign))
-            if self.peek() not in (("op", "+"), ("op", "-")):
+            if not self.peek().is_op("+", "-"):
                 return tuple(terms)
-            sign = -1.0 if self.take("op", "'+' or '-'") == "-" else 1.0
+            sign = -1.0 if self.next().text == "-" else 1.0
 
     def term(self, sign: float) -> Term:
         weight = 1.0
-        if self.peek()[0] == "number":
-            weight = _weight(float(self.take("number", "a weight")))
-            self.take("*", "'*' after the weight")
-        kind, name = self.peek()
-        if kind != "name":
-            raise ValueError(f"expected a reward, got {repr(name) if name else 'the end'}")
-        self.i += 1
-        if self.peek() == ("op", "*"):
-            raise ValueError(f"a weight is a number written before '*' (e.g. 0.3*format), "
-                             f"got {name!r}")
-        base, params = self.arguments() if self.peek() == ("op", "(") else (None, ())
-        return Term(sign * weight, name, base, params)
+        if self.peek().kind == "number":
+            tok = self.next()
+            weight = float(tok.text)
+            if not math.isfinite(weight) or weight == 0:
+                raise self.error(f"a weight must be a finite, non-zero number, got {tok.text}",
+                                 tok)
+            self.expect("*", "'*' after the weight")
+        name = self.path("a reward")
+        if self.peek().is_op("*"):
+            raise self.error(f"a weight is a number written before '*' (e.g. 0.3*format), "
+                             f"got {name.text!r}", name)
+        base, params = self.arguments() if self.peek().is_op("(") else (None, ())
+        return Term(sign * weight, name.text, base, params, name.start)
 
     def arguments(self) -> tuple[tuple[Term, ...] | None, tuple[tuple[str, float], ...]]:
-        self.take("(", "'('")
+        self.expect("(", "'('")
         base, params = None, []
-        while self.peek() != ("op", ")"):
+        while not self.peek().is_op(")"):
             if params or base is not None:
-                self.take(",", "',' or ')'")
-            kind, _ = self.peek()
-            if kind == "name" and self.tokens[self.i + 1] == ("op", "="):
-                key = self.take("name", "a parameter")
-                self.take("=", "'='")
-                sign = -1.0 if self.peek() == ("op", "-") and self.take("op", "-") else 1.0
-                params.append((key, sign * float(self.take("number", f"a number for {key}"))))
+                self.expect(",", "',' or ')'")
+            if self.peek().kind == "name" and self.peek(1).is_op("="):
+                key = self.next().text
+                self.next()
+                params.append((key, self.number(key)))
             elif base is None and not params:
                 base = self.spec()
             else:
-                raise ValueError("the reward a wrapper wraps comes first, then KEY=NUMBER")
-        self.take(")", "')'")
+                raise self.error("the reward a wrapper wraps comes first, then KEY=NUMBER")
+        self.next()
         return base, tuple(params)
 
 
-def _weight(value: float) -> float:
-    if not math.isfinite(value) or value == 0:
-        raise ValueError(f"a weight must be a finite, non-zero number, got {value!r}")
-    return value
-
-
 def parse(spec: str, field: str = FIELD) -> tuple[Term, ...]:
-    """The terms of `spec`, every name, weight and parameter checked; ValueError names
-    `field` and the rule."""
+    """The terms of `spec`, every name, weight and parameter checked; GrammarError names
+    `field`, the text, the column and the rule."""
     if not isinstance(spec, str) or not spec.strip():
         raise ValueError(f"{field} must be a reward such as 'correctness' or "
                          f"'correctness+0.3*format', got {spec!r}")
-    try:
-        parser = _Parser(spec)
-        terms = parser.spec()
-        parser.take("end", "'+', '-' or the end")
-        for term in terms:
-            _check_term(term)
-    except ValueError as e:
-        raise ValueError(f"{field}={spec!r}: {e}") from None
+    parser = _Parser(spec, field, FORM)
+    terms = parser.spec()
+    parser.expect("end", "'+', '-' or the end")
+    for term in terms:
+        _check_term(term, parser)
     return terms
 
 
-def _check_term(term: Term) -> None:
+def _check_term(term: Term, at: Cursor) -> None:
+    """A term's name and arguments against the rewards and wrappers; the error at its name."""
+    def fail(what: str) -> GrammarError:
+        return GrammarError(at.field, at.text, term.pos, what)
+
     if ":" in term.name:
         if term.base is not None or term.params:
-            raise ValueError(f"{term.name} takes no arguments")
+            raise fail(f"{term.name} takes no arguments")
         return
     if term.name in REWARDS:
         if term.base is not None or term.params:
-            raise ValueError(f"{term.name} takes no arguments; only {list(WRAPPERS)} do")
+            raise fail(f"{term.name} takes no arguments; only {list(WRAPPERS)} do")
         return
     if term.name not in WRAPPERS:
-        raise ValueError(f"{term.name!r} is no reward; choose one of "
-                         f"{[*REWARDS, *WRAPPERS]} or an import path 'package.module:function'")
+        raise fail(f"{term.name!r} is no reward; choose one of "
+                   f"{[*REWARDS, *WRAPPERS]} or an import path 'package.module:function'")
     wrapper = WRAPPERS[term.name]
     given = dict(term.params)
     for key, value in term.params:
         if key not in wrapper.params:
-            raise ValueError(f"{term.name} takes {list(wrapper.params)}, got {key}")
+            raise fail(f"{term.name} takes {list(wrapper.params)}, got {key}")
         _default, low, high, meaning = wrapper.params[key]
         if not low <= value <= high:
-            raise ValueError(f"{term.name}'s {key} ({meaning}) must lie in [{low:g}, {high:g}], "
-                             f"got {value:g}")
+            raise fail(f"{term.name}'s {key} ({meaning}) must lie in [{low:g}, {high:g}], "
+                       f"got {value:g}")
     missing = [k for k, (default, *_rest) in wrapper.params.items()
                if default is None and k not in given]
     if missing or len(given) != len(term.params):
-        raise ValueError(f"{term.name} needs each of {list(wrapper.params)} once "
-                         f"(e.g. {example(term.name)})")
+        raise fail(f"{term.name} needs each of {list(wrapper.params)} once "
+                   f"(e.g. {example(term.name)})")
     for inner in term.base or ():
-        _check_term(inner)
+        _check_term(inner, at)
     if wrapper.binary_base and term.base is not None and (
             len(term.base) != 1 or term.base[0].weight != 1 or term.base[0].name == "shaped"):
-        raise ValueError(f"{term.name} flips 0/1 verdicts: its reward must be one 0/1 reward "
-                         f"without weight or shaping (e.g. {example(term.name, 'strict')})")
+        raise fail(f"{term.name} flips 0/1 verdicts: its reward must be one 0/1 reward "
+                   f"without weight or shaping (e.g. {example(term.name, 'strict')})")
 
 
 def example(name: str, base: str = "") -> str:
@@ -347,6 +316,10 @@ class RewardSpecs:
 
     def resolve(self, spec, field: str | None = None) -> RewardFn:
         return build(spec, field or FIELD)
+
+    def __iter__(self):
+        """The names a spec may be made of: the rewards, then the wrappers."""
+        return iter([*REWARDS, *WRAPPERS])
 
     def describe(self, sep: str = "; ") -> str:
         wrapped = sep.join(f"{example(name)}: {w.title}" for name, w in WRAPPERS.items())

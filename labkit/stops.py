@@ -4,7 +4,7 @@ An overnight run that has collapsed (every group's advantages alike, the policy 
 its reference) only burns compute; a rule such as `adv/gav<0.05 for 20` ends it with a
 checkpoint and says why. The rules are one string, `TrainConfig.stop_rules`:
 
-    rules  := rule (";" rule)*              blank: no rule
+    rules  := rule (";" rule)*              blank: no rule (labkit.grammar's tokens)
     rule   := METRIC OP NUMBER ["for" COUNT]
     OP     := ">" | ">=" | "<" | "<="
     METRIC := a key of labkit.metrics.METRICS (eval/pass@k as its actual key, eval/pass@4)
@@ -24,12 +24,11 @@ import math
 import re
 from dataclasses import dataclass
 
+from labkit import grammar
 from labkit.metrics import METRICS
 
 FIELD = "stop_rules"
 OPS = (">=", "<=", ">", "<")
-_RULE = re.compile(r"^\s*(?P<metric>[^\s<>=]+)\s*(?P<op>>=|<=|>|<)\s*(?P<value>[^\s;]+)"
-                   r"(?:\s+for\s+(?P<count>\S+))?\s*$")
 _PASS_AT_K = re.compile(r"^eval/pass@([1-9][0-9]*)$")
 
 
@@ -77,43 +76,51 @@ def known_metric(name: str) -> bool:
 
 
 def parse(text: str) -> list[StopRule]:
-    """`TrainConfig.stop_rules` as rules; ValueError names the field, the rule and what is
-    wrong with it (unknown metric names list the valid ones)."""
+    """`TrainConfig.stop_rules` as rules (labkit.grammar's tokens); GrammarError names the
+    field, the text, the column and what is wrong (unknown metric names list the valid
+    ones)."""
     if not isinstance(text, str):
         raise ValueError(f"{FIELD} must be a string like 'rollout/truncated_frac>0.9 for 20; "
                          f"policy/kl>0.5', got {text!r}")
-    rules = []
-    for part in text.split(";"):
-        if not part.strip():
-            continue
-        rules.append(_parse_one(part.strip()))
-    return rules
+    toks = grammar.tokens(text, FIELD)
+    return [_parse_one(part, text) for part in grammar.split(toks, ";", FIELD, text) if part]
 
 
-def _parse_one(part: str) -> StopRule:
-    match = _RULE.match(part)
-    if match is None:
-        raise ValueError(f"{FIELD}: {part!r} is not 'METRIC OP NUMBER [for COUNT]' with OP one "
-                         f"of {' '.join(OPS)}, e.g. 'rollout/truncated_frac>0.9 for 20'")
-    metric, op = match["metric"], match["op"]
+def _parse_one(part: list[grammar.Token], text: str) -> StopRule:
+    def fail(what: str, tok: grammar.Token) -> grammar.GrammarError:
+        return grammar.GrammarError(FIELD, text, tok.start, what)
+
+    rule = grammar.source(text, part)
+    shape = fail(f"{rule!r} is not 'METRIC OP NUMBER [for COUNT]' with OP one of "
+                 f"{' '.join(OPS)}, e.g. 'rollout/truncated_frac>0.9 for 20'", part[0])
+    at = next((i for i, tok in enumerate(part) if tok.kind == "op" and tok.text in OPS), 0)
+    value = part[at + 1:at + 2]
+    if value and value[0].is_op("-", "+"):
+        value = part[at + 1:at + 3]
+    rest = part[at + 1 + len(value):]
+    if at == 0 or len(value) not in (1, 2) or value[-1].kind not in ("number", "name") \
+            or (rest and (len(rest) < 2 or rest[0].text != "for")):
+        raise shape
+    metric = grammar.source(text, part[:at])
     if not known_metric(metric):
         valid = ", ".join(k for k in METRICS if k != "eval/pass@k")
-        raise ValueError(f"{FIELD}: unknown metric {metric!r} in {part!r}; valid metrics: "
-                         f"{valid}, eval/pass@<k>")
+        raise fail(f"unknown metric {metric!r} in {rule!r}; valid metrics: {valid}, "
+                   "eval/pass@<k>", part[0])
     try:
-        threshold = float(match["value"])
+        threshold = float(grammar.source(text, value))
     except ValueError:
         threshold = math.nan
     if not math.isfinite(threshold):
-        raise ValueError(f"{FIELD}: the threshold of {part!r} must be a finite number, got "
-                         f"{match['value']!r}")
+        raise fail(f"the threshold of {rule!r} must be a finite number, got "
+                   f"{grammar.source(text, value)!r}", value[0])
     count = 1
-    if match["count"] is not None:
-        if not match["count"].isdigit() or int(match["count"]) < 1:
-            raise ValueError(f"{FIELD}: 'for COUNT' in {part!r} needs an integer COUNT >= 1, "
-                             f"got {match['count']!r}")
-        count = int(match["count"])
-    return StopRule(metric, op, threshold, count)
+    if rest:
+        given = grammar.source(text, rest[1:])
+        if not given.isdigit() or int(given) < 1:
+            raise fail(f"'for COUNT' in {rule!r} needs an integer COUNT >= 1, got {given!r}",
+                       rest[1])
+        count = int(given)
+    return StopRule(metric, part[at].text, threshold, count)
 
 
 def never_logged(rule: StopRule, config) -> str | None:

@@ -28,6 +28,8 @@ import os
 import sys
 from pathlib import Path
 
+from labkit import grammar
+
 TRACKERS = ("tensorboard", "mlflow", "trackio", "wandb")
 """The names `report_to` takes (comma-separated; `none` for no tracker)."""
 
@@ -40,15 +42,19 @@ EXPERIMENT = "labkit"
 
 
 def parse(report_to: str) -> list[str]:
-    """The tracker names of `report_to` ("none" or "" for none); ValueError on a name not in
-    TRACKERS."""
-    names = [n.strip() for n in report_to.split(",") if n.strip()]
+    """The tracker names of `report_to`, a comma-separated list (labkit.grammar's tokens;
+    "none" or "" for none); GrammarError at a name not in TRACKERS."""
+    field = "report_to"
+    pieces = [p for p in grammar.split(grammar.tokens(report_to, field), ",", field, report_to)
+              if p]
+    names = [grammar.source(report_to, piece) for piece in pieces]
     if names in ([], ["none"]):
         return []
-    bad = [n for n in names if n not in TRACKERS]
-    if bad:
-        raise ValueError(f"report_to={report_to!r}: unknown tracker {bad[0]!r}; choose from "
-                         f"{', '.join(TRACKERS)} (comma-separated), or none")
+    for name, piece in zip(names, pieces):
+        if name not in TRACKERS:
+            raise grammar.GrammarError(field, report_to, piece[0].start,
+                                       f"unknown tracker {name!r}; choose from "
+                                       f"{', '.join(TRACKERS)} (comma-separated), or none")
     return list(dict.fromkeys(names))
 
 

@@ -178,7 +178,7 @@ def _one_step(config, learner, tokenizer, problems, step: int, step_seed: int,
         batch = rollout(policy, tokenizer, share,
                         group_size=config.group_size, max_new_tokens=config.max_new_tokens,
                         temperature=config.sampler_temperature or config.temperature,
-                        top_k=config.top_k, top_p=config.top_p, seed=step_seed,
+                        top_k=config.top_k or 0, top_p=config.top_p, seed=step_seed,
                         decoder=learner.passes.bf16_decoder if bf16_sampler
                         else learner.passes.decoder,
                         # a bf16 sampler feeds an fp32 learner: its products cannot stand in

@@ -72,8 +72,8 @@ def test_documented_command_parses(doc, argv):
         return
     args = parsed(argv)
     if args.command == "train" and args.resume is None:
-        TrainConfig(**{name: cli.parse_value(getattr(args, name), kind, name)
-                       for name, kind in field_types().items() if getattr(args, name) is not None})
+        TrainConfig(**cli.config_fields([(name, getattr(args, name)) for name in field_types()
+                                         if getattr(args, name) is not None], cli.option))
     elif args.command == "run":
         check_parameters(ROOT / args.notebook, dict(args.parameters))
     elif args.command == "sweep":

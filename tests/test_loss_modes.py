@@ -188,7 +188,7 @@ def test_the_registry_lists_every_mode_with_its_paper_and_options():
     ("vespo(lambda_neg=0)", ["vespo: lambda_neg must be > 0"]),
     ("vespo(k_pos=-1)", ["vespo: k_pos must be >= 0"]),
     ("nope", ["loss must be one of ['vanilla'"]),
-    ("sapo(", ["loss must be a loss mode name or name(option=value, ...)"]),
+    ("sapo(", ["loss='sapo('", "NAME(OPTION=NUMBER, ...)", "column 6"]),
 ])
 def test_bad_specs_name_the_option_and_the_rule(spec, words):
     lp, old, a, mask = _inputs()

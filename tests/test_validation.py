@@ -33,7 +33,7 @@ BAD_CONFIGS = [
     (dict(max_new_tokens=0), "max_new_tokens", ">= 1"),
     (dict(steps=2.5), "steps", "integer"),
     (dict(batch_prompts=True), "batch_prompts", "integer"),
-    (dict(top_k=-1), "top_k", ">= 0"),
+    (dict(top_k=0), "top_k", ">= 1"),
     (dict(top_p=0.0), "top_p", "(0, 1]"),
     (dict(top_p="0.9"), "top_p", "finite number"),
     (dict(eps_low=1.0), "eps_low", "< 1"),
@@ -345,11 +345,11 @@ def test_sweep_checks_every_grid_point_against_the_config_rules(tmp_path):
 
 def test_non_finite_values_parse_but_do_not_pass():
     """`--lr inf` reads as a float; the config is what refuses it."""
-    from labkit.__main__ import parse_value
+    from labkit.fields import parse_field
 
-    assert math.isinf(parse_value("inf", float, "lr"))
+    assert math.isinf(parse_field(TrainConfig, "lr", "inf"))
     with pytest.raises(ValueError, match="lr must be a finite number"):
-        TrainConfig(lr=parse_value("inf", float, "lr"))
+        TrainConfig(lr=parse_field(TrainConfig, "lr", "inf"))
 
 
 def test_every_field_has_a_docstring_for_the_help():

@@ -72,7 +72,7 @@ def trl_args(config: TrainConfig, out: str):
         weight_decay=config.weight_decay, max_grad_norm=config.max_grad_norm,
         beta=config.beta, epsilon=config.eps_low, epsilon_high=config.eps_high,
         loss_type="dapo", scale_rewards="group", temperature=config.temperature,
-        top_k=config.top_k, top_p=config.top_p, bf16=False, use_cpu=True,
+        top_k=config.top_k or 0, top_p=config.top_p, bf16=False, use_cpu=True,
         gradient_checkpointing=False, seed=config.seed, report_to="none",
         save_strategy="steps", save_steps=config.eval_every, save_only_model=True,
         logging_steps=config.eval_every, disable_tqdm=True, dataloader_num_workers=0,

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from labkit import rundir
+from labkit import grammar, rundir
 from labkit.config import TrainConfig
 from labkit.lab.progress import write_plan
 from labkit.trainer import RunResult, StepReport, train
@@ -73,15 +73,15 @@ def fresh_dir(path: str | Path) -> Path:
     return candidate
 
 
-def parse_list(text: str, kind: type = str) -> list:
-    """"grpo,ppo" -> ["grpo", "ppo"]; "2,4,8" with kind=int -> [2, 4, 8]."""
-    items = [item.strip() for item in str(text).split(",") if item.strip()]
+def parse_list(text: str, kind: type = str, field: str = "list") -> list:
+    """"grpo,ppo" -> ["grpo", "ppo"]; "2,4,8" with kind=int -> [2, 4, 8]: the items of a
+    comma-separated list (labkit.grammar.items), each read by labkit.fields.parse."""
+    from labkit.fields import parse
+
+    items = grammar.items(str(text), field)
     if not items:
-        raise ValueError(f"expected a comma-separated list, got {text!r}")
-    try:
-        return [kind(item) for item in items]
-    except ValueError as e:
-        raise ValueError(f"every item of {text!r} must be a {kind.__name__}") from e
+        raise ValueError(f"{field} must be a comma-separated list, got {text!r}")
+    return [parse(item, kind, f"every item of {field}={text!r}") for item in items]
 
 
 def run_config(run_dir: str | Path, **values) -> TrainConfig:
@@ -181,70 +181,62 @@ DEFAULT_ARMS = "grpo: estimator=grpo; dr_grpo: estimator=dr_grpo; rloo: estimato
 """Notebook 05's arms when it is given none: the three group estimators."""
 
 
-def parse_arms(text: str) -> dict[str, dict]:
+ARM_NAME = re.compile(r"[A-Za-z0-9._=+-]+")
+"""An arm's name: letters, digits, '.', '_', '-', '+', '='."""
+
+
+def parse_arms(text: str, field: str = "arms") -> dict[str, dict]:
     """"rloo: estimator=rloo; lam03: reward=shaped(lam=0.3), lr=5e-4" -> {arm: {field: value}}:
-    arms separated by ';', each 'NAME: FIELD=VALUE, ...' with TrainConfig fields, values read
-    as the field's type ('none' is None for a number or bool). Checked here, before any run
-    starts."""
-    arms = {}
-    for part in (p.strip() for p in str(text).split(";")):
+    arms separated by ';', each 'NAME: FIELD=VALUE, ...' with TrainConfig fields
+    (labkit.grammar's tokens; a value holding ',' ';' or ':' is quoted), each value read by
+    labkit.fields.parse. Checked here, before any run starts."""
+    text, arms = str(text), {}
+    for part in grammar.split(grammar.tokens(text, field), ";", field, text):
         if not part:
             continue
-        name, colon, rest = part.partition(":")
-        name = name.strip()
-        if not colon or not re.fullmatch(r"[A-Za-z0-9._=+-]+", name):
-            raise ValueError(f"arms: {part!r} must be 'NAME: FIELD=VALUE, ...' with NAME of "
-                             "letters, digits, '.', '_', '-', '+', '='")
+        colon = next((i for i, tok in enumerate(part) if tok.is_op(":")), 0)
+        name = grammar.source(text, part[:colon])
+        if not colon or not ARM_NAME.fullmatch(name):
+            raise grammar.GrammarError(field, text, part[0].start,
+                                       f"{grammar.source(text, part)!r} must be 'NAME: "
+                                       "FIELD=VALUE, ...' with NAME of letters, digits, '.', "
+                                       "'_', '-', '+', '='")
         if name in arms:
-            raise ValueError(f"arms: {name!r} is named twice")
-        arms[name] = parse_fields(rest, f"arms: {name}")
+            raise grammar.GrammarError(field, text, part[0].start, f"{name!r} is named twice")
+        arms[name] = _fields(text, part[colon + 1:], field, f"{field}: {name}")
     if not arms:
-        raise ValueError(f"arms must name at least one arm, got {text!r}")
+        raise ValueError(f"{field} must name at least one arm, got {text!r}")
     return arms
 
 
 def parse_fields(text: str, where: str = "fields") -> dict:
     """"scratchpad=true, max_new_tokens=48" -> {field: value} of TrainConfig fields, each
-    value read as its field's type ('none' is None for a number or bool)."""
-    from labkit.config import field_types
+    value read by labkit.fields.parse (a value holding ',' is quoted)."""
+    text = str(text)
+    return _fields(text, grammar.tokens(text, where), where, where)
+
+
+def _fields(text: str, toks: list, field: str, where: str) -> dict:
+    """FIELD=VALUE items of `toks`, separated by ',' outside parentheses."""
+    from labkit.config import TrainConfig, field_types
+    from labkit.fields import parse_field
 
     types, out = field_types(), {}
-    for item in (i.strip() for i in _split_top(str(text))):
+    for item in grammar.split(toks, ",", field, text):
         if not item:
             continue
-        key, eq, value = (x.strip() for x in item.partition("="))
-        if not eq or key not in types:
-            raise ValueError(f"{where}: {item!r} must be FIELD=VALUE with FIELD a "
-                             f"TrainConfig field (valid: {sorted(types)})")
-        out[key] = _typed(value, types[key], f"{where}: {key}")
+        key = item[0].text
+        if len(item) < 2 or not item[1].is_op("=") or key not in types:
+            raise grammar.GrammarError(field, text, item[0].start,
+                                       f"{where}: {grammar.source(text, item)!r} must be "
+                                       "FIELD=VALUE with FIELD a TrainConfig field (valid: "
+                                       f"{sorted(types)})")
+        if key in out:
+            raise grammar.GrammarError(field, text, item[0].start, f"{where}: {key} is given "
+                                                                   "twice")
+        out[key] = parse_field(TrainConfig, key, grammar.source(text, item[2:]),
+                               f"{where}: {key}")
     return out
-
-
-def _split_top(text: str) -> list[str]:
-    """`text` split at the commas outside parentheses (a reward like shaped(lam=0.3, x=1))."""
-    parts, depth, start = [], 0, 0
-    for i, ch in enumerate(text):
-        depth += ch == "("
-        depth -= ch == ")"
-        if ch == "," and depth == 0:
-            parts.append(text[start:i])
-            start = i + 1
-    return parts + [text[start:]]
-
-
-def _typed(text: str, kind: type, where: str):
-    """`text` as `kind`; 'none' is None for a number or bool (a string field keeps it: the
-    estimator `none` is a name)."""
-    if text.lower() == "none" and kind is not str:
-        return None
-    if kind is bool:
-        if text.lower() not in ("true", "false"):
-            raise ValueError(f"{where} must be true or false, got {text!r}")
-        return text.lower() == "true"
-    try:
-        return kind(text)
-    except ValueError:
-        raise ValueError(f"{where} must be {kind.__name__}, got {text!r}") from None
 
 
 def compare_arms(arms: Mapping[str, Mapping], *, run_dir: str | Path, seed: int = 0,

@@ -119,7 +119,9 @@ def notebook_parameters(path: str | Path) -> dict[str, Param]:
         if key in found:
             raise ValueError(f"{where}: {key} is defined twice")
         last = lines[node.end_lineno - 1].encode()[node.end_col_offset:].decode().strip()
-        found[key] = Param(PARAM_TYPES[kind], check_value(key, value, kind, name),
+        if isinstance(value, str) and PARAM_TYPES[kind] is not str:
+            raise ValueError(f"{where}: {key} is {kind}, got {value!r} (str)")
+        found[key] = Param(PARAM_TYPES[kind], read_parameter(key, value, PARAM_TYPES[kind], name),
                            last.lstrip("#").strip() if last.startswith("#") else "")
     return found
 
@@ -140,46 +142,18 @@ def papermill_view(path: str | Path) -> None:
                          "(none in the value or the comment)")
 
 
-def check_value(name: str, value, kind: str, where: str = ""):
-    """`value` as the declared type `kind`; an int is a float, nothing else converts."""
-    expected = PARAM_TYPES[kind]
-    if isinstance(value, bool) and expected is not bool:
-        ok = False
-    elif expected is float and isinstance(value, int):
-        value, ok = float(value), True
-    else:
-        ok = isinstance(value, expected)
-    if not ok:
-        at = f" of {where}" if where else ""
-        raise ValueError(f"parameter {name}{at} is {kind}, got {value!r} "
-                         f"({type(value).__name__})")
-    return value
+def read_parameter(name: str, value, kind: type, notebook: str | Path = ""):
+    """A parameter's value, as text (`run -p`) or as YAML gives it (a sweep), read as the
+    declared type `kind` by `labkit.fields.parse`, the reader of every entry point; a
+    parameter named and typed like a `TrainConfig` field is read as that field (`lr` takes
+    `none`, `estimator` its choice `none`). ValueError names the parameter and the notebook."""
+    from labkit.config import TrainConfig, field_types
+    from labkit.fields import parse, parse_field
 
-
-def parse_value(name: str, text: str, kind: str, where: str = ""):
-    """A command-line string as the declared type: int literals for int, any number for float,
-    true/false for bool, any text for str."""
-    if kind == "str":
-        return text
-    value = None
-    if kind == "bool":
-        value = {"true": True, "false": False}.get(text.strip().lower())
-    elif kind == "int":
-        try:
-            literal = ast.literal_eval(text.strip())
-            value = literal if isinstance(literal, int) and not isinstance(literal, bool) else None
-        except (ValueError, SyntaxError):
-            value = None
-    else:
-        try:
-            value = float(text)
-        except ValueError:
-            value = None
-    if value is None:
-        at = f" of {where}" if where else ""
-        hint = " (true or false)" if kind == "bool" else ""
-        raise ValueError(f"parameter {name}{at} is {kind}{hint}, got {text!r}")
-    return value
+    who = f"parameter {name}" + (f" of {Path(notebook).name}" if notebook else "")
+    if name != RUNNER_OWNED and field_types().get(name) is kind:
+        return parse_field(TrainConfig, name, value, who)
+    return parse(value, kind, who)
 
 
 def unknown_names(notebook: str | Path, names, params: dict[str, Param]) -> None:
@@ -194,10 +168,22 @@ def check_parameters(path: str | Path, given: dict[str, str]) -> dict:
     Values of parameters that are training-config fields must also obey the field's rule."""
     params = notebook_parameters(path)
     unknown_names(path, given, params)
-    values = {key: parse_value(key, text, params[key].type.__name__, Path(path).name)
+    values = {key: read_parameter(key, text, params[key].type, path)
               for key, text in given.items()}
     check_config_rules(path, params, values)
     return values
+
+
+def config_values(params: dict[str, Param], values: dict) -> dict:
+    """The notebook's values (its defaults overlaid with `values`) of the parameters named
+    and typed like a `TrainConfig` field, but `run_dir`: those its TrainConfig receives."""
+    from labkit.config import field_types
+
+    types = field_types()
+    merged = {key: param.default for key, param in params.items()} | values
+    return {key: value for key, value in merged.items()
+            if key != RUNNER_OWNED and key in types and key in params
+            and types[key] is params[key].type}
 
 
 def check_config_rules(notebook: str | Path, params: dict[str, Param], values: dict) -> None:
@@ -205,13 +191,9 @@ def check_config_rules(notebook: str | Path, params: dict[str, Param], values: d
     lr: float, estimator: str) reaches a TrainConfig in the notebook, so it obeys that field's
     rules, checked here with the notebook's other such values (its defaults overlaid with
     `values`) before any kernel starts or model loads. ValueError names the parameter."""
-    from labkit.config import TrainConfig, field_types, preflight
+    from labkit.config import TrainConfig, preflight
 
-    types = field_types()
-    merged = {key: param.default for key, param in params.items()} | values
-    shared = {key: value for key, value in merged.items()
-              if key != RUNNER_OWNED and key in types and key in params
-              and types[key] is params[key].type}
+    shared = config_values(params, values)
     if not shared or not set(values) & set(shared):
         return
     try:

@@ -50,8 +50,8 @@ from html import escape
 from pathlib import Path
 
 from labkit.lab.runner import (PARAMETERS_FILE, RUNNER_OWNED, RunFailed, check_config_rules,
-                           check_value, execute, finite_or_none, is_number,
-                           notebook_parameters, read_summary, unknown_names)
+                               execute, finite_or_none, is_number, notebook_parameters,
+                               read_parameter, read_summary, unknown_names)
 
 KEYS = ("notebook", "name", "parameters", "grid", "seeds", "resources", "smoke", "claim",
         "claims")
@@ -183,19 +183,19 @@ def _checked(sweep: Sweep, where: str) -> Sweep:
     if "seed" not in params:
         raise ValueError(f"{book} has no `seed` parameter, which a sweep sets")
     unknown_names(sweep.notebook, [*sweep.parameters, *sweep.grid], params)
-    kind = {k: p.type.__name__ for k, p in params.items()}
-    fixed = {k: check_value(k, v, kind[k], book) for k, v in sweep.parameters.items()}
+    kind = {k: p.type for k, p in params.items()}
+    fixed = {k: read_parameter(k, v, kind[k], book) for k, v in sweep.parameters.items()}
     grid = {}
     for key, values in sweep.grid.items():
         if not isinstance(values, list) or not values:
             raise ValueError(f"{where}: grid {key} must be a non-empty list, got {values!r}")
-        grid[key] = [check_value(key, v, kind[key], book) for v in values]
+        grid[key] = [read_parameter(key, v, kind[key], book) for v in values]
         if len(set(map(repr, grid[key]))) != len(values):
             raise ValueError(f"{where}: grid {key} repeats a value: {values}")
     seeds = sweep.seeds
     if not isinstance(seeds, list) or not seeds or len(set(map(repr, seeds))) != len(seeds):
         raise ValueError(f"{where}: seeds must be a non-empty list of distinct ints, got {seeds!r}")
-    seeds = [check_value("seed", s, kind["seed"], book) for s in seeds]
+    seeds = [read_parameter("seed", s, kind["seed"], book) for s in seeds]
     if "seeds" in params and len(seeds) > 1:
         raise ValueError(f"{where}: {book} runs its own paired seeds (its `seeds` parameter: "
                          f"seed, seed+1, ...): list one first seed under `seeds:` and set "

@@ -7,6 +7,7 @@ import dataclasses
 import json
 import sys
 
+from labkit.fields import parse_field
 from labkit.models import EMBEDDED
 from labkit.zoo import PRESETS, Recipe, build
 
@@ -24,15 +25,15 @@ def main(argv: list[str] | None = None) -> int:
     cmd.add_argument("--out", default=None,
                      help="folder to write (default: the preset's folder in the package)")
     for field in dataclasses.fields(Recipe):
-        kind = _bool if isinstance(field.default, bool) else type(field.default)
-        cmd.add_argument(f"--{field.name.replace('_', '-')}", type=kind, default=None,
+        cmd.add_argument(f"--{field.name.replace('_', '-')}", default=None,
                          help=f"(default: {field.default}, or the preset's)")
     cmd.add_argument("--no-check", action="store_true",
                      help=f"do not fail when held-out accuracy leaves [{LOW}, {HIGH}]")
     args = parser.parse_args(argv)
-    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(Recipe)
-             if getattr(args, f.name) is not None}
     try:
+        given = {f.name: parse_field(Recipe, f.name, getattr(args, f.name),
+                                     f"--{f.name.replace('_', '-')}")
+                 for f in dataclasses.fields(Recipe) if getattr(args, f.name) is not None}
         recipe = Recipe(**{**PRESETS[args.preset], **given})
     except ValueError as e:
         parser.error(str(e))
@@ -47,14 +48,6 @@ def main(argv: list[str] | None = None) -> int:
               "leave room for RL; change --target or --seed", file=sys.stderr)
         return 1
     return 0
-
-
-def _bool(text: str) -> bool:
-    if text.lower() in ("true", "1", "yes"):
-        return True
-    if text.lower() in ("false", "0", "no"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
 if __name__ == "__main__":
