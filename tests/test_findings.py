@@ -24,8 +24,19 @@ claim:
   id: 7
   statement: "the fixture's claim"
   source: "an article"
+  preregistered:
+    article: "the article's own words, with its number"
+    measure: gain
+    finding: "clear"
+    direction: above
+    threshold: 0
+    seeds: 5
   findings: [1, 2, 3]
 """
+
+
+PREREGISTERED = ("{article: words, measure: gain, finding: clear, direction: above, "
+                 "threshold: 0, seeds: 5}")
 
 
 def _finding(question, low, high, stored_verdict, threshold=0.0, n=3):
@@ -62,7 +73,8 @@ def test_page_from_finished_runs(finished):
     claims, root, out = finished
     findings.write_findings(out, claims, root)
     text = out.read_text()
-    rows = [line for line in text.splitlines() if line.startswith("| 7.")]
+    glance, every = text.split("## Every finding")
+    rows = [line for line in every.splitlines() if line.startswith("| 7.")]
     assert len(rows) == 3
     wide, clear, wrong = rows
     assert "**inconclusive at this budget**" in wide and "1.00 [-1.00, 3.00]" in wide
@@ -73,6 +85,13 @@ def test_page_from_finished_runs(finished):
     assert "| 1. GRPO needs less time per step" in text and "not run yet (0 of 1 runs)" in text
     # claims in id order, and the commands to regenerate the page
     assert text.index("| 1. ") < text.index("| 7. ")
+    # one claim-level verdict per claim, from its preregistered primary measure
+    (seven,) = [line for line in glance.splitlines() if line.startswith("| 7.")]
+    assert "the article's own words, with its number" in seven
+    assert "gain above 0" in seven and "clear: 1.25 [0.50, 2.00]" in seven
+    assert seven.endswith("**supported** |") and "| 3 (5) |" in seven
+    (one,) = [line for line in glance.splitlines() if line.startswith("| 1.")]
+    assert "memory_ratio (ppo vs grpo) above 1.25" in one and "not measured yet" in one
     assert "python -m labkit sweep experiments/claims/07_fixture.yaml" in text
     assert "1.00 h of training runs' wall time, 90 min elapsed" in text
     assert "The whole suite took 1.50 h of wall time (2 sweeps" in text
@@ -122,11 +141,20 @@ def test_one_sweep_can_answer_several_claims_by_words_or_numbers(finished):
   id: 7
   statement: "the fixture's claim"
   source: "an article"
+  preregistered:
+    article: "the article's own words, with its number"
+    measure: gain
+    finding: "clear"
+    direction: above
+    threshold: 0
+    seeds: 5
   findings: [1, 2, 3]
 """, """claims:
-  - {id: 7, statement: "first", source: "an article", findings: ["wide", "wrong"]}
-  - {id: 8, statement: "second", source: "another", findings: [2], note: "read  it so"}
-""")
+  - {id: 7, statement: "first", source: "an article", findings: ["wide", "wrong"],
+     preregistered: %s}
+  - {id: 8, statement: "second", source: "another", findings: [2], note: "read  it so",
+     preregistered: %s}
+""" % (PREREGISTERED, PREREGISTERED))
     (claims / "07_fixture.yaml").write_text(text)
     results = {r.claim["id"]: r for r in findings.collect(claims, root)}
     assert [row["question"] for row in results[7].rows] == ["wide", "wrong label"]
@@ -178,7 +206,8 @@ def test_a_factorial_claims_smoke_sweep_feeds_two_claims(tmp_path):
     assert eight and all("fires before" in q or "stays quiet" in q for q in eight)
     assert any(q.startswith("eval/cgc>=0.15") for q in eight)
     page = findings.write_findings(tmp_path / "findings.md", claims, root, smoke=True)
-    rows = [line for line in page.read_text().splitlines() if line.startswith(("| 4.", "| 8."))]
+    every = page.read_text().split("## Every finding")[1]
+    rows = [line for line in every.splitlines() if line.startswith(("| 4.", "| 8."))]
     assert len(rows) == len(four) + len(eight)
     assert all(any(f"**{v}**" in row for v in stats.VERDICTS) for row in rows)
     assert all(f"{torch.backends.cpu.get_cpu_capability()}, 1 thread" in row for row in rows)

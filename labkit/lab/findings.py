@@ -188,6 +188,98 @@ def table_rows(results: list[ClaimResult]) -> list[dict]:
     return out
 
 
+NOT_MEASURED = "not measured yet"
+PER_SEED = "needs the per-seed record"
+
+
+@dataclass(frozen=True)
+class ClaimVerdict:
+    """A claim decided by its preregistered primary measure (labkit.lab.preregistration)."""
+
+    test: str
+    """The preregistered test in words."""
+    figure: str
+    """The decisive figure with its interval, or why there is none."""
+    verdict: str
+    mde: str = ""
+    """The smallest effect the seeds run detect with 80% power (t intervals)."""
+
+
+def claim_verdict(result: ClaimResult) -> ClaimVerdict:
+    """The claim-level verdict: the preregistered primary measure read by
+    `labkit.stats.decide` from the findings whose question holds the preregistered `finding`
+    words and the compared arms. Several such findings (one per G, say) must each support
+    the claim for it to be supported, and refute it if any refutes it. Every arm against a
+    baseline (`compare: [all, ...]`) is decided from the per-seed values together (Dunnett),
+    which the stored intervals cannot give."""
+    from labkit.lab import preregistration
+
+    prereg = preregistration.check(result.claim, result.file.name, check_arms=False)
+    test = prereg.describe()
+    if prereg.compare[:1] == ("all",):
+        return ClaimVerdict(test, f"{PER_SEED} (every arm against {prereg.compare[1]}, "
+                                  "Dunnett)", stats.INCONCLUSIVE)
+    words = [prereg.finding] if prereg.finding else []
+    rows = [row for row in result.rows
+            if all(w in row["question"] for w in words + list(prereg.compare))]
+    if not words and not prereg.compare or not rows:
+        return ClaimVerdict(test, NOT_MEASURED, stats.INCONCLUSIVE)
+    verdicts, figures, mdes = [], [], []
+    for row in rows:
+        interval = stats.Interval(row["mean"], _nan(row["low"]), _nan(row["high"]),
+                                  row["seeds"], row["method"])
+        verdicts.append(prereg.decide(interval))
+        figures.append(f"{row['question']}: {row['effect']}")
+        mde = _mde(interval)
+        if mde is not None:
+            mdes.append(f"{mde:.3g}")
+    if all(v == stats.SUPPORTED for v in verdicts):
+        verdict = stats.SUPPORTED
+    elif stats.REFUTED in verdicts:
+        verdict = stats.REFUTED
+    else:
+        verdict = stats.INCONCLUSIVE
+    return ClaimVerdict(test, "; ".join(figures), verdict, ", ".join(mdes))
+
+
+def _nan(value) -> float:
+    return math.nan if value is None else float(value)
+
+
+def _mde(interval: stats.Interval) -> float | None:
+    """The smallest difference `stats.min_detectable` finds at the interval's seeds, from the
+    spread its t interval implies (half-width = t sd / sqrt(n)); None for another kind."""
+    from scipy import stats as sps
+
+    method = interval.method
+    linear_t = ("paired t" in method or method.startswith("t-interval")) and "log" not in method
+    if interval.n < 2 or not math.isfinite(interval.low) or not linear_t:
+        return None
+    t = sps.t.ppf(1 - (1 - interval.confidence) / 2, interval.n - 1)
+    sd = (interval.high - interval.low) / 2 * math.sqrt(interval.n) / t
+    return stats.min_detectable(sd, interval.n, interval.confidence)
+
+
+GLANCE = ("claim", "the article says", "preregistered test", "seeds (planned)",
+          "decisive figure [95% CI]", "detectable at 80%", "verdict")
+
+
+def glance_rows(results: list[ClaimResult]) -> list[dict]:
+    """One row per claim (GLANCE): what the article says, the preregistered test, the seeds
+    run against those planned, the decisive figure and the claim-level verdict."""
+    out = []
+    for r in results:
+        decided = claim_verdict(r)
+        seeds = max((row["seeds"] for row in r.rows), default=0)
+        out.append({"claim": f"{r.claim.get('id', '?')}. {r.claim.get('statement', '')}",
+                    "the article says": r.claim["preregistered"]["article"],
+                    "preregistered test": decided.test,
+                    "seeds (planned)": f"{seeds} ({r.claim['preregistered']['seeds']})",
+                    "decisive figure [95% CI]": decided.figure,
+                    "detectable at 80%": decided.mde or "-", "verdict": decided.verdict})
+    return out
+
+
 def figure_name(result: ClaimResult) -> str:
     """The file name of a claim's figure: <claim file>-claim-<id>.svg (two files may answer
     parts of one claim, one file several claims)."""
@@ -241,6 +333,16 @@ def render(results: list[ClaimResult], commit: str | None, smoke: bool = False,
              "their own below",
              f"- regenerate: `python -m labkit sweep experiments/claims/<file>{flag}` for each "
              f"claim below, then `python -m labkit findings{flag}`", ""]
+    lines += ["## Claims at a glance", "",
+              "Each claim decided by its preregistered primary measure (the claim's "
+              "`preregistered:` block, `labkit.lab.preregistration`); the findings below are "
+              "the context.", "",
+              "| " + " | ".join(GLANCE) + " |", "|" + "---|" * len(GLANCE)]
+    for row in glance_rows(results):
+        cells = [_cell(row[c]) for c in GLANCE]
+        cells[-1] = f"**{cells[-1]}**"
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "## Every finding", ""]
     columns = list(COLUMNS)
     lines += ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for row in table_rows(results):

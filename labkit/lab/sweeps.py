@@ -17,6 +17,9 @@ The YAML (its schema is repeated at the top of each file in experiments/):
       id: 1                      #   (labkit.lab.findings reads it; the sweep ignores it)
       statement: GRPO's step costs less time and memory than PPO's
       source: the article's title
+      preregistered: {...}       #   the claim's test, fixed before it runs
+                                 #   (labkit.lab.preregistration: article, measure, compare,
+                                 #   finding, direction, threshold, margin, seeds)
       findings: [2, 3]           #   which of the notebook's findings answer it (default: all):
                                  #   numbers, or words that a finding's question contains
       note: how to read it       #   optional, printed under the page's table
@@ -58,7 +61,7 @@ KEYS = ("notebook", "name", "parameters", "grid", "seeds", "resources", "smoke",
 RESOURCE_KEYS = ("cpus", "gpus")
 BACKENDS = ("local", "ray")
 SMOKE_KEYS = ("parameters", "grid", "seeds")
-CLAIM_KEYS = ("id", "statement", "source", "findings", "note")
+CLAIM_KEYS = ("id", "statement", "source", "preregistered", "findings", "note")
 CSV_NAME = "sweep.csv"
 PLOT_NAME = "comparison.html"
 INCOMPLETE = ".incomplete"
@@ -145,6 +148,13 @@ def load_sweep(path: str | Path, smoke: bool = False) -> Sweep:
         raise ValueError(f"{where}: claims must be a list of claim blocks")
     claims = [dict(_mapping(b, f"{where}: claim", CLAIM_KEYS)) for b in blocks]
     checked = _checked(Sweep(notebook, name, parameters, grid, seeds), where)
+    if claims:  # what each claim must show, fixed before any of its runs
+        from labkit.lab import preregistration
+
+        defaults = {k: p.default for k, p in notebook_parameters(notebook).items()}
+        arms = preregistration.sweep_arms(defaults | checked.parameters)
+        for claim in claims:
+            preregistration.check(claim, where, arms, check_arms=not smoke)
     checked.claims = claims
     checked.resources = _resources(spec.get("resources") or {}, where)
     return checked

@@ -1,0 +1,152 @@
+"""A claim's preregistration: what its experiment must show, fixed before it runs.
+
+Every claim block of experiments/claims/ carries a `preregistered:` block, checked when the
+sweep is loaded, before any run starts:
+
+    preregistered:
+      article: "..."         # the article's statement, translated, with the article's numbers
+      measure: gain          # the primary measure, a key of MEASURES
+      compare: [rloo, grpo]  # for a measure between arms: the arm and the baseline (arms of
+                             #   the sweep); `all` for every arm against the baseline
+      finding: "gains more"  # optional: words of the decisive finding's question
+      direction: above       # above, below, two-sided or equivalent (labkit.stats.DIRECTIONS)
+      threshold: 0           # the article's magnitude where it gives one, else no effect
+      margin: 1.0            # +- this counts as no difference: needed for equivalent
+      seeds: 10              # seeds planned per arm (at least MIN_SEEDS)
+
+The claim-level verdict is the primary measure's, read by `labkit.stats.decide`; the claim's
+other findings are context. A claim is refused with one line naming the file, the claim and
+the field.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from labkit import stats
+
+MEASURES = {
+    "gain": "held-out accuracy gained, arm minus baseline, points",
+    "final_length": "mean completion length over the last fifth of the steps, arm minus "
+                    "baseline, tokens",
+    "step_time_ratio": "time per step, arm / baseline, geometric mean over paired seeds",
+    "memory_ratio": "peak process memory, arm / baseline, geometric mean over paired seeds",
+    "grad_rel_var_ratio": "policy-gradient relative variance with the group baseline / with "
+                          "the critic (docs/diagnostics.md)",
+    "informative_share_error": "observed share of informative groups minus the formula's "
+                               "prediction 1 - p^G - (1-p)^G",
+    "collapse_difference": "share of runs that collapsed, arm minus baseline, paired by seed",
+    "monitor_youden": "a monitor's sensitivity + specificity - 1 over runs (fired before a "
+                      "collapse; stayed quiet on a healthy run)",
+}
+"""The primary measures a claim may name, with what each is."""
+
+KEYS = ("article", "measure", "compare", "finding", "direction", "threshold", "margin", "seeds")
+REQUIRED = ("article", "measure", "direction", "threshold", "seeds")
+MIN_SEEDS = 5
+"""The fewest seeds per arm a claim may plan."""
+
+
+@dataclass(frozen=True)
+class Preregistration:
+    """A claim's preregistered test (the module docstring's fields)."""
+
+    article: str
+    measure: str
+    direction: str
+    threshold: float
+    seeds: int
+    compare: tuple[str, ...] = ()
+    finding: str = ""
+    margin: float | None = None
+
+    def describe(self) -> str:
+        """'gain (rloo vs grpo) two-sided about 0, +-1 no difference': the test in words."""
+        arms = f" ({' vs '.join(self.compare)})" if self.compare else ""
+        side = {"above": "above", "below": "below", "two-sided": "differs from",
+                "equivalent": "within the margin of"}[self.direction]
+        margin = f", margin +-{self.margin:g}" if self.margin is not None else ""
+        return f"{self.measure}{arms} {side} {self.threshold:g}{margin}"
+
+    def decide(self, interval: stats.Interval) -> str:
+        """The claim-level verdict from the primary measure's interval."""
+        return stats.decide(interval, self.direction, self.threshold, self.margin)
+
+
+def check(claim: dict, where: str, arms: list[str] | None = None,
+          check_arms: bool = True) -> Preregistration:
+    """The claim block's `preregistered:` block, checked: every field present and of its kind,
+    the measure known, the compared arms arms of the sweep (`arms`; None: the sweep has no
+    arms; check_arms=False for a smoke variant, whose arms are a few of the claim's).
+    ValueError: one line naming `where`, the claim and the field."""
+    who = f"{where}: claim {claim.get('id', '?')}: preregistered"
+    block = claim.get("preregistered")
+    if not isinstance(block, dict):
+        raise ValueError(f"{who} is missing: give {', '.join(REQUIRED)} (and compare, "
+                         "finding, margin where they apply) before the claim runs")
+    unknown = sorted(set(block) - set(KEYS))
+    if unknown:
+        raise ValueError(f"{who}: unknown field(s) {unknown}; fields: {', '.join(KEYS)}")
+    missing = [k for k in REQUIRED if block.get(k) in (None, "")]
+    if missing:
+        raise ValueError(f"{who}.{missing[0]} is missing (required: {', '.join(REQUIRED)})")
+    for key in ("article", "finding"):
+        if key in block and not (isinstance(block[key], str) and block[key].strip()):
+            raise ValueError(f"{who}.{key} must be a non-empty string, got {block[key]!r}")
+    if block["measure"] not in MEASURES:
+        raise ValueError(f"{who}.measure: unknown measure {block['measure']!r}; measures: "
+                         f"{', '.join(MEASURES)}")
+    if block["direction"] not in stats.DIRECTIONS:
+        raise ValueError(f"{who}.direction must be one of {list(stats.DIRECTIONS)}, got "
+                         f"{block['direction']!r}")
+    numbers = {}
+    for key in ("threshold", "margin"):
+        value = block.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                or not math.isfinite(value) or (key == "margin" and value <= 0):
+            rule = "a number > 0" if key == "margin" else "a finite number"
+            raise ValueError(f"{who}.{key} must be {rule}, got {value!r}")
+        numbers[key] = float(value)
+    if block["direction"] == "equivalent" and "margin" not in numbers:
+        raise ValueError(f"{who}.margin is missing: an equivalence claim needs the margin "
+                         "within which the effect counts as none")
+    seeds = block["seeds"]
+    if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < MIN_SEEDS:
+        raise ValueError(f"{who}.seeds must be an integer >= {MIN_SEEDS} (seeds planned per "
+                         f"arm), got {seeds!r}")
+    compare = block.get("compare") or []
+    if not isinstance(compare, list) or len(compare) != (2 if compare else 0) \
+            or not all(isinstance(c, str) for c in compare):
+        raise ValueError(f"{who}.compare must be [ARM, BASELINE] (ARM may be 'all'), got "
+                         f"{compare!r}")
+    if compare and check_arms:
+        if arms is None:
+            raise ValueError(f"{who}.compare names arms, but the sweep runs none")
+        bad = [c for i, c in enumerate(compare) if c not in arms and not (i == 0 and c == "all")]
+        if bad:
+            raise ValueError(f"{who}.compare: unknown arm {bad[0]!r}; the sweep's arms: "
+                             f"{', '.join(arms)}")
+    return Preregistration(block["article"].strip(), block["measure"], block["direction"],
+                           numbers["threshold"], seeds, tuple(compare),
+                           str(block.get("finding", "")).strip(), numbers.get("margin"))
+
+
+def sweep_arms(parameters: dict) -> list[str] | None:
+    """The arms a claim sweep's notebook runs, from its parameters: notebook 05's `arms`
+    (its names), notebook 01's `algos`, notebook 02's `group_sizes` (as 'G=4'); None when
+    it runs no arms."""
+    from labkit.lab.experiments import DEFAULT_ARMS, parse_arms, parse_list
+
+    if "arms" in parameters:
+        return list(parse_arms(parameters["arms"] or DEFAULT_ARMS))
+    if "algos" in parameters:
+        return parse_list(parameters["algos"])
+    if "group_sizes" in parameters:
+        return [f"G={g}" for g in parse_list(parameters["group_sizes"], int)]
+    return None
+
+
+__all__ = ["MEASURES", "MIN_SEEDS", "Preregistration", "check", "sweep_arms"]
