@@ -248,6 +248,11 @@ def _findings_parser(sub) -> None:
                      help="folder of claim YAML files (default: experiments/claims)")
     cmd.add_argument("--root", default=None, help="runs root (default: experiments/runs)")
     cmd.add_argument("--smoke", action="store_true", help="read the claims' smoke runs")
+    cmd.add_argument("--all", action="store_true",
+                     help="first run every claim's sweep (skipping finished runs, so an "
+                          "interrupted suite resumes), then write the page")
+    cmd.add_argument("--workers", type=int, default=1,
+                     help="with --all: notebooks run at once (default: 1)")
     cmd.add_argument("--no-figures", action="store_true",
                      help="write the table only, no SVG figure per claim (the figures need "
                           "kaleido, the `figures` extra, and a Chrome or Chromium)")
@@ -256,6 +261,20 @@ def _findings_parser(sub) -> None:
 def run_findings_command(args) -> int:
     from labkit.lab.findings import write_findings
 
+    if args.all:
+        from labkit.lab.sweeps import load_sweep, run_sweep
+        from labkit.rundir import RUNS_ROOT
+
+        files = sorted(Path(args.claims).glob("*.yaml"))
+        sweeps = [load_sweep(f, smoke=args.smoke) for f in files]  # every claim checked first
+        failed = []
+        for sweep in sweeps:
+            runs = run_sweep(sweep, RUNS_ROOT if args.root is None else args.root,
+                             workers=args.workers)
+            failed += [r.id for r in runs if r.status == "failed"]
+        if failed:
+            print(f"error: {len(failed)} claim runs failed: {'; '.join(failed)}; the page is "
+                  "written from the others", file=sys.stderr)
     print(write_findings(args.out, args.claims, args.root, smoke=args.smoke,
                          figures=not args.no_figures))
     return 0

@@ -211,3 +211,29 @@ def test_a_factorial_claims_smoke_sweep_feeds_two_claims(tmp_path):
     assert len(rows) == len(four) + len(eight)
     assert all(any(f"**{v}**" in row for v in stats.VERDICTS) for row in rows)
     assert all(f"{torch.backends.cpu.get_cpu_capability()}, 1 thread" in row for row in rows)
+
+
+def test_the_page_decides_a_claim_from_its_per_seed_csv_once_its_runs_are_gone(finished):
+    claims, root, out = finished
+    fixture = claims / "07_fixture.yaml"
+    fixture.write_text(fixture.read_text().replace('    finding: "clear"\n',
+                                                   "    compare: [grpo, ppo]\n"))
+    run = root / "claim_fixture" / "seed=0"
+    summary = json.loads((run / "summary.json").read_text())
+    for s, (a, b) in enumerate([(0.40, 0.30), (0.42, 0.31), (0.39, 0.30)]):
+        summary |= {f"grpo/seed={s}/seed": s, f"grpo/seed={s}/gain": a,
+                    f"ppo/seed={s}/seed": s, f"ppo/seed={s}/gain": b}
+    (run / "summary.json").write_text(json.dumps(summary))
+    findings.write_findings(out, claims, root)
+    record = out.with_suffix("") / "07_fixture.csv"
+    assert record.read_text().splitlines()[0].startswith("sweep_run,arm,seed,gain")
+
+    def glance_line(text):
+        return next(line for line in text.split("## Every finding")[0].splitlines()
+                    if line.startswith("| 7."))
+
+    before = glance_line(out.read_text())
+    assert "grpo vs ppo: 10.00 [" in before and before.endswith("**supported** |")
+    shutil.rmtree(root / "claim_fixture")  # the runs are gone; the CSV stays
+    findings.write_findings(out, claims, root)
+    assert glance_line(out.read_text()).split(" | ")[4:] == before.split(" | ")[4:]

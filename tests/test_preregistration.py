@@ -111,3 +111,77 @@ def test_several_primary_rows_must_each_hold_and_all_arms_need_the_per_seed_reco
     every = {"measure": "gain", "compare": ["all", "grpo"], "direction": "above", "threshold": 0}
     decided = findings.claim_verdict(_result(every, inside))
     assert findings.PER_SEED in decided.figure and decided.verdict == stats.INCONCLUSIVE
+
+
+# --- the per-seed record: the durable data a claim is decided from -----------------------------
+
+def _records(arms: dict[str, list[float]], key: str = "gain") -> list[dict]:
+    return [{"sweep_run": "seed=0", "arm": arm, "seed": s, key: v, "accuracy_after": 0.5,
+             "eval_n": 1000} for arm, values in arms.items() for s, v in enumerate(values)]
+
+
+def test_records_of_a_summary_and_their_csv_round_trip(tmp_path):
+    summary = {"description": "x", "finding1/mean": 1.0, "grpo/seed=0/seed": 0,
+               "grpo/seed=0/gain": 0.1, "grpo/seed=1/seed": 1, "grpo/seed=1/gain": 0.2,
+               "samples/G=4/seed=1/seed": 1, "samples/G=4/seed=1/collapsed": 1}
+    records = findings.records_of(summary, "seed=0")
+    assert records == [{"sweep_run": "seed=0", "arm": "grpo", "seed": 0, "gain": 0.1},
+                       {"sweep_run": "seed=0", "arm": "grpo", "seed": 1, "gain": 0.2},
+                       {"sweep_run": "seed=0", "arm": "samples/G=4", "seed": 1,
+                        "collapsed": 1}]
+    path = findings.write_records(records, tmp_path / "claim.csv")
+    assert path.read_text().splitlines()[0] == "sweep_run,arm,seed,collapsed,gain"
+    assert findings.read_records(path) == records
+
+
+def test_a_pair_is_decided_from_the_per_seed_record_with_the_evaluation_floor():
+    prereg = {"measure": "gain", "compare": ["acc75", "verifier"], "direction": "above",
+              "threshold": 0}
+    same = _records({"acc75": [0.30] * 5, "verifier": [0.30] * 5})
+    decided = findings.claim_verdict(findings.ClaimResult(
+        Path("06.yaml"), _result(prereg, []).claim, records=same))
+    # seeds that agree exactly: the floor of the evaluation's noise keeps an interval
+    assert decided.verdict == stats.INCONCLUSIVE and "floored" in decided.figure
+    better = _records({"acc75": [0.36, 0.35, 0.37, 0.36, 0.38], "verifier": [0.30] * 5})
+    result = findings.ClaimResult(Path("06.yaml"), _result(prereg, []).claim, records=better)
+    assert findings.claim_verdict(result).verdict == stats.SUPPORTED
+
+
+def test_every_arm_against_one_is_decided_together_by_dunnett():
+    rng = __import__("numpy").random.default_rng(0)
+    arms = {name: list(0.3 + 0.002 * rng.standard_normal(6)) for name in
+            ("grpo", "rloo", "dr_grpo", "none")}
+    two_sided = {"measure": "gain", "compare": ["all", "grpo"], "direction": "two-sided",
+                 "threshold": 0, "margin": 2.0}
+    claim = _result(two_sided, []).claim
+    same = findings.claim_verdict(findings.ClaimResult(Path("09.yaml"), claim,
+                                                       records=_records(arms)))
+    assert same.verdict == stats.REFUTED and "3 arms vs grpo (Dunnett, 6 seeds)" in same.figure
+    arms["rloo"] = [v + 0.05 for v in arms["rloo"]]
+    moved = findings.claim_verdict(findings.ClaimResult(Path("09.yaml"), claim,
+                                                        records=_records(arms)))
+    assert moved.verdict == stats.SUPPORTED and "rloo" in moved.figure
+
+
+def test_a_paired_collapse_is_decided_by_its_exact_test():
+    prereg = {"measure": "collapse_difference", "compare": ["kl0", "kl01"],
+              "direction": "above", "threshold": 0}
+    records = _records({"kl0": [1] * 10, "kl01": [0] * 10}, key="collapsed")
+    decided = findings.claim_verdict(findings.ClaimResult(
+        Path("04.yaml"), _result(prereg, []).claim, records=records))
+    assert decided.verdict == stats.SUPPORTED and "McNemar" in decided.figure
+
+
+def test_findings_all_runs_every_claim_sweep_then_writes_the_page(tmp_path, monkeypatch):
+    import labkit.lab.findings
+    import labkit.lab.sweeps
+
+    ran = []
+    monkeypatch.setattr(labkit.lab.sweeps, "run_sweep",
+                        lambda sweep, root, workers=1: ran.append(sweep.name) or [])
+    monkeypatch.setattr(labkit.lab.findings, "write_findings",
+                        lambda out, *a, **k: Path(out))
+    done = in_process("findings", "--all", "--out", tmp_path / "f.md", "--no-figures")
+    assert done.returncode == 0, done.stderr
+    names = [load_sweep(path).name for path in CLAIMS]
+    assert ran == names

@@ -9,6 +9,13 @@ threshold). `python -m labkit findings` reads them and writes the page: a row pe
 with its effect, 95% interval, seeds, method, the CPU kinds its runs were measured on and the
 verdict, recomputed here from the stored interval by `labkit.stats.verdict`, and the
 commands that regenerate it. A claim whose runs have not finished is listed as not run.
+
+Each claim is decided once, by the primary measure its `preregistered:` block names
+(`claim_verdict`): from the per-seed record where the measure is one of PER_SEED_MEASURES
+(paired by seed; every arm against a baseline together, Dunnett), else from the findings
+its `finding:` words pick. The per-seed record of each claim file is written beside the page
+(docs/findings/<file>.csv, `write_records`): the durable data, from which the page decides a
+claim whose runs are gone. `python -m labkit findings --all` runs every claim's sweep first.
 """
 
 from __future__ import annotations
@@ -38,6 +45,69 @@ class ClaimResult:
     compute_s: float = 0.0
     elapsed_s: float = 0.0
     """Wall time of the sweep's notebook runs (papermill's duration), the time a user waits."""
+    records: list[dict] = field(default_factory=list)
+    """The per-seed record: one row per training run (sweep run, arm, seed and every figure
+    its notebook summarised), from the finished runs or, without them, the claim file's CSV
+    (`write_records`)."""
+
+
+RECORD_KEYS = ("sweep_run", "arm", "seed")
+"""The first columns of a per-seed record; the figures follow in name order."""
+
+
+def records_of(summary: dict, sweep_run: str) -> list[dict]:
+    """The per-seed rows of a summary.json: its "<arm>/seed=<s>/<figure>" entries (or
+    "<arm>/<figure>" for a run of one seed) as {sweep_run, arm, seed, figure: value, ...}."""
+    runs: dict[str, dict] = {}
+    for key, value in summary.items():
+        run, _, name = key.rpartition("/")
+        if not run or run.startswith("finding") or isinstance(value, bool) \
+                or not isinstance(value, (int, float)):
+            continue
+        runs.setdefault(run, {})[name] = value
+    out = []
+    for run, values in runs.items():
+        if "seed" not in values:
+            continue
+        arm = run.split("/seed=")[0]
+        out.append({"sweep_run": sweep_run, "arm": arm, "seed": int(values.pop("seed")),
+                    **dict(sorted(values.items()))})
+    return out
+
+
+def write_records(records: list[dict], path: str | Path) -> Path:
+    """The per-seed record as CSV (RECORD_KEYS, then every figure any row has)."""
+    import csv
+
+    path = Path(path)
+    names = sorted({k for r in records for k in r} - set(RECORD_KEYS))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, [*RECORD_KEYS, *names])
+        writer.writeheader()
+        writer.writerows(records)
+    return path
+
+
+def read_records(path: str | Path) -> list[dict]:
+    """A CSV of `write_records`, numbers as numbers (empty cells left out)."""
+    import csv
+
+    out = []
+    with Path(path).open(newline="", encoding="utf-8") as f:
+        for row in csv.DictReader(f):
+            record = {}
+            for key, text in row.items():
+                if text in ("", None):
+                    continue
+                if key in ("sweep_run", "arm"):
+                    record[key] = text
+                else:
+                    number = float(text)
+                    record[key] = int(number) if number.is_integer() and key == "seed" \
+                        else number
+            out.append(record)
+    return out
 
 
 def locate(path: str | Path) -> Path:
@@ -101,8 +171,10 @@ def _machines(run_path: Path) -> tuple[set[str], set[str]]:
 
 
 def collect(claims_dir: str | Path = CLAIMS_DIR, root: str | Path | None = None,
-            smoke: bool = False) -> list[ClaimResult]:
-    """Every claim of `claims_dir` with the findings of its finished runs under `root`."""
+            smoke: bool = False, records_dir: str | Path | None = None) -> list[ClaimResult]:
+    """Every claim of `claims_dir` with the findings and the per-seed record of its finished
+    runs under `root`; a claim none of whose runs is there reads its record from
+    `records_dir`/<claim file>.csv where that exists."""
     from labkit.lab.sweeps import load_sweep, plan
     from labkit.rundir import RUNS_ROOT
 
@@ -124,6 +196,11 @@ def collect(claims_dir: str | Path = CLAIMS_DIR, root: str | Path | None = None,
                  for run in done]
         for claim in sweep.claims:
             result = ClaimResult(file, claim, runs_done=len(done), runs_total=len(runs))
+            for run in done:
+                result.records += records_of(run.summary, run.id)
+            stored = Path(records_dir) / f"{file.stem}.csv" if records_dir else None
+            if not done and stored is not None and stored.is_file():
+                result.records = read_records(stored)
             for run, ((kinds, commits), elapsed, compute) in zip(done, facts):
                 result.rows += [finding_row(run.summary, k, run.id)
                                 for k in selected(run.summary, claim.get("findings"))]
@@ -216,6 +293,11 @@ def claim_verdict(result: ClaimResult) -> ClaimVerdict:
 
     prereg = preregistration.check(result.claim, result.file.name, check_arms=False)
     test = prereg.describe()
+    if prereg.measure in PER_SEED_MEASURES and prereg.compare and result.records:
+        decided = _from_records(prereg, result.records)
+        if decided is not None:
+            figure, verdict, mde = decided
+            return ClaimVerdict(test, figure, verdict, mde)
     if prereg.compare[:1] == ("all",):
         return ClaimVerdict(test, f"{PER_SEED} (every arm against {prereg.compare[1]}, "
                                   "Dunnett)", stats.INCONCLUSIVE)
@@ -240,6 +322,92 @@ def claim_verdict(result: ClaimResult) -> ClaimVerdict:
     else:
         verdict = stats.INCONCLUSIVE
     return ClaimVerdict(test, "; ".join(figures), verdict, ", ".join(mdes))
+
+
+PER_SEED_MEASURES = {"gain": ("gain", 100.0, "difference"),
+                     "final_length": ("length_final", 1.0, "difference"),
+                     "memory_ratio": ("mem_mb", 1.0, "ratio"),
+                     "step_time_ratio": ("step_s", 1.0, "ratio"),
+                     "collapse_difference": ("collapsed", 1.0, "binary")}
+"""The primary measures a claim's per-seed record decides: measure -> (the record's
+figure, its scale (gain in points), how two arms compare)."""
+
+
+def _table(records: list[dict], key: str, scale: float) -> dict[str, dict[int, float]]:
+    """arm -> seed -> scale * the figure `key`, for the records that have it."""
+    out: dict[str, dict[int, float]] = {}
+    for r in records:
+        if isinstance(r.get(key), (int, float)) and math.isfinite(r[key]):
+            out.setdefault(r["arm"], {})[r["seed"]] = scale * r[key]
+    return out
+
+
+def _arm(table: dict, name: str) -> str | None:
+    """The record's arm that a preregistered name means ('G=4' is 'samples/G=4')."""
+    return next((a for a in table if a == name or a.endswith("/" + name)), None)
+
+
+def _from_records(prereg, records: list[dict]) -> tuple[str, str, str] | None:
+    """(figure, verdict, detectable effect) of the primary measure from the per-seed record,
+    or None where the record lacks the compared arms or two shared seeds."""
+    key, scale, kind = PER_SEED_MEASURES[prereg.measure]
+    table = _table(records, key, scale)
+    base = _arm(table, prereg.compare[1])
+    if base is None:
+        return None
+    if prereg.compare[0] == "all":
+        return _every_arm(prereg, table, base)
+    arm = _arm(table, prereg.compare[0])
+    seeds = sorted(set(table.get(arm, {})) & set(table[base])) if arm else []
+    if len(seeds) < 2:
+        return None
+    a, b = [table[arm][s] for s in seeds], [table[base][s] for s in seeds]
+    if kind == "ratio":
+        interval = stats.ratio_interval(a, b)
+    elif kind == "binary":
+        interval = stats.paired_binary([x > 0.5 for x in a], [y > 0.5 for y in b]).interval
+    else:
+        interval = stats.paired_interval(a, b, sd_floor=_gain_floor(records, prereg.measure))
+    mde = _mde(interval)
+    return (f"{arm} vs {base}: {interval.format(2)} ({interval.method})",
+            prereg.decide(interval), "" if mde is None else f"{mde:.3g}")
+
+
+def _gain_floor(records: list[dict], measure: str) -> float:
+    """The least spread of a per-seed gain difference, in points: the held-out evaluation's
+    own binomial noise on both arms, sqrt(2) * sqrt(p (1 - p) / eval_n)."""
+    if measure != "gain":
+        return 0.0
+    found = [(r["accuracy_after"], r["eval_n"]) for r in records
+             if isinstance(r.get("accuracy_after"), (int, float)) and r.get("eval_n")]
+    if not found:
+        return 0.0
+    p = sum(a for a, _ in found) / len(found)
+    return 100 * math.sqrt(2) * stats.binomial_se(p, int(min(n for _, n in found)))
+
+
+def _every_arm(prereg, table: dict, base: str) -> tuple[str, str, str] | None:
+    """Every arm against `base` on their shared seeds, together (`stats.many_vs_one`,
+    Dunnett): the claim that some arm differs (two-sided) or lies above or below holds when
+    one arm's simultaneous interval does; it is refuted when every arm's refutes it."""
+    seeds = set(table[base])
+    for arm in table:
+        seeds &= set(table[arm])
+    if len(seeds) < 2 or len(table) < 2:
+        return None
+    shared = {arm: {s: values[s] for s in sorted(seeds)} for arm, values in table.items()}
+    found = stats.many_vs_one(shared, base)
+    verdicts = {c.arm: prereg.decide(c.interval) for c in found}
+    if stats.SUPPORTED in verdicts.values():
+        verdict = stats.SUPPORTED
+    elif all(v == stats.REFUTED for v in verdicts.values()):
+        verdict = stats.REFUTED
+    else:
+        verdict = stats.INCONCLUSIVE
+    top = max(found, key=lambda c: abs(c.interval.mean - prereg.threshold))
+    shown = next((c for c in found if verdicts[c.arm] == stats.SUPPORTED), top)
+    return (f"{len(found)} arms vs {base} (Dunnett, {len(seeds)} seeds); {shown.arm}: "
+            f"{shown.interval.format(2)}", verdict, "")
 
 
 def _nan(value) -> float:
@@ -381,8 +549,10 @@ def render(results: list[ClaimResult], commit: str | None, smoke: bool = False,
 def write_findings(out: str | Path = FINDINGS_PAGE, claims_dir: str | Path = CLAIMS_DIR,
                    root: str | Path | None = None, smoke: bool = False,
                    figures: bool = False) -> Path:
-    """Collect the claims' findings and write the page to `out`; with `figures`, an SVG per
-    claim into the folder named like the page (docs/findings/ beside docs/findings.md).
+    """Collect the claims' findings and write the page to `out`, and each claim file's
+    per-seed record (`write_records`) into the folder named like the page (docs/findings/
+    beside docs/findings.md), from which a later page decides a claim whose runs are gone;
+    with `figures`, an SVG per claim into that folder too.
     Figures that cannot be exported are said in one line on stderr; the page is written
     without them."""
     import sys
@@ -390,7 +560,10 @@ def write_findings(out: str | Path = FINDINGS_PAGE, claims_dir: str | Path = CLA
     from labkit.rundir import git_commit
 
     out = Path(out)
-    results = collect(claims_dir, root, smoke)
+    folder = out.with_suffix("")  # docs/findings/ beside docs/findings.md
+    results = collect(claims_dir, root, smoke, records_dir=folder)
+    for result in {r.file: r for r in results if r.runs_done}.values():  # one per file
+        write_records(result.records, folder / f"{result.file.stem}.csv")
     drawn = None
     if figures:
         try:
