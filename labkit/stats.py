@@ -477,3 +477,99 @@ def paired_binary(a: Sequence[bool], b: Sequence[bool], confidence: float = 0.95
                         f"Newcombe paired score interval (Wilson cc), McNemar exact p, "
                         f"{only_a} vs {only_b} discordant of {n} {unit}", confidence)
     return PairedBinary(interval, p, only_a, only_b)
+
+
+# --- seeds until decided ------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class SequentialPlan:
+    """Seeds added in batches until a claim is decided: looks after `looks[k]` seeds, the
+    error rate `alpha` spent over them by a Lan-DeMets spending function of t, the share of
+    the last look's seeds: "pocock", alpha ln(1 + (e - 1) t), spends evenly and stops early
+    on a moderate effect; "obrien-fleming", 2 - 2 Phi(z_{1-alpha/2} / sqrt(t)), keeps nearly
+    all of it for the last look. Look k reads its interval at confidence 1 - (alpha(t_k) -
+    alpha(t_{k-1})). The looks' errors add up to at most alpha whatever their dependence
+    (Bonferroni over the looks), so stopping at the first decided look keeps the error
+    rate."""
+
+    looks: tuple[int, ...] = (5, 10, 20)
+    alpha: float = 0.05
+    spending: str = "pocock"
+
+    def __post_init__(self):
+        if not self.looks or any(b <= a for a, b in zip(self.looks, self.looks[1:])) \
+                or self.looks[0] < 2:
+            raise ValueError(f"looks must be increasing seed counts >= 2, got {self.looks}")
+        if not 0 < self.alpha < 1:
+            raise ValueError(f"alpha must be in (0, 1), got {self.alpha}")
+        if self.spending not in ("pocock", "obrien-fleming"):
+            raise ValueError(f"spending must be 'pocock' or 'obrien-fleming', got "
+                             f"{self.spending!r}")
+
+    def spent(self) -> list[float]:
+        """The error rate each look spends (summing to alpha)."""
+        from scipy import stats
+
+        shares = [n / self.looks[-1] for n in self.looks]
+        if self.spending == "pocock":
+            cumulative = [self.alpha * math.log(1 + (math.e - 1) * t) for t in shares]
+        else:
+            z = stats.norm.ppf(1 - self.alpha / 2)
+            cumulative = [float(2 - 2 * stats.norm.cdf(z / math.sqrt(t))) for t in shares]
+        return [c - p for c, p in zip(cumulative, [0.0] + cumulative[:-1])]
+
+    def confidence(self, k: int) -> float:
+        """The confidence of look k's interval."""
+        return 1 - self.spent()[k]
+
+
+@dataclass(frozen=True)
+class SequentialResult:
+    """Where a sequential test stopped: its verdict, the interval of that look, the seeds it
+    took, and the look."""
+
+    verdict: str
+    interval: Interval
+    seeds: int
+    look: int
+
+
+def sequential_decide(differences: Sequence[float], plan: SequentialPlan, direction: str,
+                      threshold: float = 0.0, margin: float | None = None,
+                      **interval_kwargs) -> SequentialResult:
+    """Read per-seed differences (in seed order) at each look of `plan` that they reach,
+    stopping at the first decided one (`decide`; equivalence reads the look's interval as
+    two one-sided tests at half its error); the last look reached otherwise."""
+    xs = _finite(differences, "differences")
+    reached = [k for k, n in enumerate(plan.looks) if n <= len(xs)]
+    if not reached:
+        raise ValueError(f"the first look needs {plan.looks[0]} seeds, got {len(xs)}")
+    for k in reached:
+        n = plan.looks[k]
+        level = plan.confidence(k)
+        if direction == "equivalent":
+            level = 1 - 2 * (1 - level)
+        found = mean_interval(xs[:n], level, **interval_kwargs)
+        decided = decide(found, direction, threshold, margin)
+        if decided != INCONCLUSIVE or k == reached[-1]:
+            return SequentialResult(decided, found, n, k)
+    raise AssertionError("unreachable")
+
+
+def seeds_needed(interval: Interval, threshold: float = 0.0, power: float = 0.8) -> int | None:
+    """How many paired seeds the observed effect would need to clear `threshold` with
+    probability `power`, at the spread the interval implies (a t interval of a mean over
+    interval.n seeds); None where the effect sits on the threshold or there is no spread."""
+    from scipy import stats
+
+    if interval.n < 2 or not (math.isfinite(interval.low) and math.isfinite(interval.high)):
+        return None
+    t = stats.t.ppf(1 - (1 - interval.confidence) / 2, interval.n - 1)
+    sd = (interval.high - interval.low) / 2 * math.sqrt(interval.n) / t
+    gap = abs(interval.mean - threshold)
+    if gap == 0 or sd == 0:
+        return None
+    for n in range(2, 10_001):
+        if min_detectable(sd, n, interval.confidence, power) <= gap:
+            return n
+    return None

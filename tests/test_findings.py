@@ -220,7 +220,8 @@ def test_the_page_decides_a_claim_from_its_per_seed_csv_once_its_runs_are_gone(f
                                                    "    compare: [grpo, ppo]\n"))
     run = root / "claim_fixture" / "seed=0"
     summary = json.loads((run / "summary.json").read_text())
-    for s, (a, b) in enumerate([(0.40, 0.30), (0.42, 0.31), (0.39, 0.30)]):
+    for s, (a, b) in enumerate([(0.40, 0.30), (0.42, 0.31), (0.39, 0.30), (0.41, 0.30),
+                                (0.38, 0.31)]):
         summary |= {f"grpo/seed={s}/seed": s, f"grpo/seed={s}/gain": a,
                     f"ppo/seed={s}/seed": s, f"ppo/seed={s}/gain": b}
     (run / "summary.json").write_text(json.dumps(summary))
@@ -233,7 +234,8 @@ def test_the_page_decides_a_claim_from_its_per_seed_csv_once_its_runs_are_gone(f
                     if line.startswith("| 7."))
 
     before = glance_line(out.read_text())
-    assert "grpo vs ppo: 10.00 [" in before and before.endswith("**supported** |")
+    assert "grpo vs ppo: 9.60 [" in before and before.endswith("**supported** |")
+    assert "5 seeds, look 1 of 1 at 95.00%" in before
     shutil.rmtree(root / "claim_fixture")  # the runs are gone; the CSV stays
     findings.write_findings(out, claims, root)
     assert glance_line(out.read_text()).split(" | ")[4:] == before.split(" | ")[4:]

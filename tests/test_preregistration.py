@@ -156,7 +156,8 @@ def test_every_arm_against_one_is_decided_together_by_dunnett():
     claim = _result(two_sided, []).claim
     same = findings.claim_verdict(findings.ClaimResult(Path("09.yaml"), claim,
                                                        records=_records(arms)))
-    assert same.verdict == stats.REFUTED and "3 arms vs grpo (Dunnett, 6 seeds)" in same.figure
+    assert same.verdict == stats.REFUTED and "3 arms vs grpo, Dunnett" in same.figure
+    assert "5 seeds, look 1 of 1" in same.figure  # the plan's 5 seeds, not the 6 run
     arms["rloo"] = [v + 0.05 for v in arms["rloo"]]
     moved = findings.claim_verdict(findings.ClaimResult(Path("09.yaml"), claim,
                                                         records=_records(arms)))
@@ -185,3 +186,22 @@ def test_findings_all_runs_every_claim_sweep_then_writes_the_page(tmp_path, monk
     assert done.returncode == 0, done.stderr
     names = [load_sweep(path).name for path in CLAIMS]
     assert ran == names
+
+
+def test_a_claim_is_read_at_each_look_of_its_plan_and_says_what_more_seeds_would_need():
+    claim = _result({"measure": "gain", "compare": ["a", "b"], "direction": "above",
+                     "threshold": 0}, []).claim
+    claim["preregistered"]["seeds"] = 10
+    assert findings.plan_of(preregistration.check(claim, "x", ["a", "b"])).looks == (5, 10)
+    clear = _records({"a": [0.40, 0.41, 0.42, 0.40, 0.43, 0.2, 0.2, 0.2, 0.2, 0.2],
+                      "b": [0.30] * 10})
+    decided = findings.claim_verdict(findings.ClaimResult(Path("x.yaml"), claim,
+                                                          records=clear))
+    assert decided.verdict == stats.SUPPORTED and "5 seeds, look 1 of 2" in decided.figure
+    noisy = _records({"a": [0.36, 0.28, 0.35, 0.30, 0.33, 0.29, 0.34, 0.31, 0.36, 0.29],
+                      "b": [0.30] * 10})
+    undecided = findings.claim_verdict(findings.ClaimResult(Path("x.yaml"), claim,
+                                                            records=noisy))
+    assert undecided.verdict == stats.INCONCLUSIVE and "10 seeds, look 2 of 2" in \
+        undecided.figure
+    assert re.fullmatch(r"about \d+ seeds", undecided.mde) and int(undecided.mde.split()[1]) > 10

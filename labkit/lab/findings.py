@@ -279,7 +279,8 @@ class ClaimVerdict:
     """The decisive figure with its interval, or why there is none."""
     verdict: str
     mde: str = ""
-    """The smallest effect the seeds run detect with 80% power (t intervals)."""
+    """For a finding's interval: the smallest effect its seeds detect with 80% power; for an
+    undecided claim read from its per-seed record: the seeds its observed effect needs."""
 
 
 def claim_verdict(result: ClaimResult) -> ClaimVerdict:
@@ -296,8 +297,8 @@ def claim_verdict(result: ClaimResult) -> ClaimVerdict:
     if prereg.measure in PER_SEED_MEASURES and prereg.compare and result.records:
         decided = _from_records(prereg, result.records)
         if decided is not None:
-            figure, verdict, mde = decided
-            return ClaimVerdict(test, figure, verdict, mde)
+            figure, verdict, more = decided
+            return ClaimVerdict(test, figure, verdict, more)
     if prereg.compare[:1] == ("all",):
         return ClaimVerdict(test, f"{PER_SEED} (every arm against {prereg.compare[1]}, "
                                   "Dunnett)", stats.INCONCLUSIVE)
@@ -347,30 +348,61 @@ def _arm(table: dict, name: str) -> str | None:
     return next((a for a in table if a == name or a.endswith("/" + name)), None)
 
 
+def plan_of(prereg) -> stats.SequentialPlan:
+    """The looks a claim is read at: every 5 seeds up to the seeds it plans (5, 10 for 10),
+    the error rate spent over them (`stats.SequentialPlan`)."""
+    looks = tuple(range(5, prereg.seeds, 5)) + (prereg.seeds,)
+    return stats.SequentialPlan(looks)
+
+
 def _from_records(prereg, records: list[dict]) -> tuple[str, str, str] | None:
-    """(figure, verdict, detectable effect) of the primary measure from the per-seed record,
-    or None where the record lacks the compared arms or two shared seeds."""
+    """(figure, verdict, what more seeds would do) of the primary measure from the per-seed
+    record, read at each look of the claim's plan that its seeds reach and stopped at the
+    first decided one; None where the record lacks the compared arms."""
     key, scale, kind = PER_SEED_MEASURES[prereg.measure]
     table = _table(records, key, scale)
     base = _arm(table, prereg.compare[1])
-    if base is None:
+    every = prereg.compare[0] == "all"
+    arm = None if every else _arm(table, prereg.compare[0])
+    if base is None or (not every and arm is None):
         return None
-    if prereg.compare[0] == "all":
-        return _every_arm(prereg, table, base)
-    arm = _arm(table, prereg.compare[0])
-    seeds = sorted(set(table.get(arm, {})) & set(table[base])) if arm else []
-    if len(seeds) < 2:
-        return None
-    a, b = [table[arm][s] for s in seeds], [table[base][s] for s in seeds]
+    arms = list(table) if every else [base, arm]
+    seeds = sorted(set.intersection(*(set(table[a]) for a in arms)))
+    plan = plan_of(prereg)
+    reached = [k for k, n in enumerate(plan.looks) if n <= len(seeds)]
+    if not reached:
+        return (f"{len(seeds)} shared seeds, short of the first look's {plan.looks[0]}",
+                stats.INCONCLUSIVE, "")
+    for k in reached:
+        first = seeds[:plan.looks[k]]
+        level = plan.confidence(k)
+        if prereg.direction == "equivalent":  # two one-sided tests, each at the look's error
+            level = 1 - 2 * (1 - level)
+        if every:
+            figure, verdict, interval = _every_arm(prereg, table, base, first, level)
+        else:
+            interval = _pair(kind, [table[arm][s] for s in first],
+                             [table[base][s] for s in first], level,
+                             _gain_floor(records, prereg.measure))
+            figure, verdict = f"{arm} vs {base}: {interval.format(2)}", prereg.decide(interval)
+        if verdict != stats.INCONCLUSIVE or k == reached[-1]:
+            break
+    look = (f"{len(first)} seeds, look {k + 1} of {len(plan.looks)} at {100 * level:.2f}% "
+            f"({interval.method})")
+    more = ""
+    if verdict == stats.INCONCLUSIVE and kind == "difference" and not every:
+        needed = stats.seeds_needed(interval, prereg.threshold)
+        more = f"about {needed} seeds" if needed else ""
+    return f"{figure}; {look}", verdict, more
+
+
+def _pair(kind: str, a: list[float], b: list[float], level: float,
+          floor: float) -> stats.Interval:
     if kind == "ratio":
-        interval = stats.ratio_interval(a, b)
-    elif kind == "binary":
-        interval = stats.paired_binary([x > 0.5 for x in a], [y > 0.5 for y in b]).interval
-    else:
-        interval = stats.paired_interval(a, b, sd_floor=_gain_floor(records, prereg.measure))
-    mde = _mde(interval)
-    return (f"{arm} vs {base}: {interval.format(2)} ({interval.method})",
-            prereg.decide(interval), "" if mde is None else f"{mde:.3g}")
+        return stats.ratio_interval(a, b, level)
+    if kind == "binary":
+        return stats.paired_binary([x > 0.5 for x in a], [y > 0.5 for y in b], level).interval
+    return stats.paired_interval(a, b, level, sd_floor=floor)
 
 
 def _gain_floor(records: list[dict], measure: str) -> float:
@@ -386,17 +418,13 @@ def _gain_floor(records: list[dict], measure: str) -> float:
     return 100 * math.sqrt(2) * stats.binomial_se(p, int(min(n for _, n in found)))
 
 
-def _every_arm(prereg, table: dict, base: str) -> tuple[str, str, str] | None:
-    """Every arm against `base` on their shared seeds, together (`stats.many_vs_one`,
-    Dunnett): the claim that some arm differs (two-sided) or lies above or below holds when
+def _every_arm(prereg, table: dict, base: str, seeds: list[int],
+               level: float) -> tuple[str, str, stats.Interval]:
+    """Every arm against `base` on `seeds`, together (`stats.many_vs_one`, Dunnett, at
+    `level`): the claim that some arm differs (two-sided) or lies above or below holds when
     one arm's simultaneous interval does; it is refuted when every arm's refutes it."""
-    seeds = set(table[base])
-    for arm in table:
-        seeds &= set(table[arm])
-    if len(seeds) < 2 or len(table) < 2:
-        return None
-    shared = {arm: {s: values[s] for s in sorted(seeds)} for arm, values in table.items()}
-    found = stats.many_vs_one(shared, base)
+    shared = {arm: {s: values[s] for s in seeds} for arm, values in table.items()}
+    found = stats.many_vs_one(shared, base, confidence=level)
     verdicts = {c.arm: prereg.decide(c.interval) for c in found}
     if stats.SUPPORTED in verdicts.values():
         verdict = stats.SUPPORTED
@@ -406,8 +434,8 @@ def _every_arm(prereg, table: dict, base: str) -> tuple[str, str, str] | None:
         verdict = stats.INCONCLUSIVE
     top = max(found, key=lambda c: abs(c.interval.mean - prereg.threshold))
     shown = next((c for c in found if verdicts[c.arm] == stats.SUPPORTED), top)
-    return (f"{len(found)} arms vs {base} (Dunnett, {len(seeds)} seeds); {shown.arm}: "
-            f"{shown.interval.format(2)}", verdict, "")
+    return (f"{len(found)} arms vs {base}, Dunnett; {shown.arm}: {shown.interval.format(2)}",
+            verdict, shown.interval)
 
 
 def _nan(value) -> float:
@@ -429,7 +457,7 @@ def _mde(interval: stats.Interval) -> float | None:
 
 
 GLANCE = ("claim", "the article says", "preregistered test", "seeds (planned)",
-          "decisive figure [95% CI]", "detectable at 80%", "verdict")
+          "decisive figure [CI]", "80% power: effect / seeds", "verdict")
 
 
 def glance_rows(results: list[ClaimResult]) -> list[dict]:
@@ -438,13 +466,18 @@ def glance_rows(results: list[ClaimResult]) -> list[dict]:
     out = []
     for r in results:
         decided = claim_verdict(r)
-        seeds = max((row["seeds"] for row in r.rows), default=0)
+        per_arm: dict[str, set] = {}
+        for record in r.records:
+            per_arm.setdefault(record["arm"], set()).add(record["seed"])
+        seeds = max([len(v) for v in per_arm.values()] + [row["seeds"] for row in r.rows],
+                    default=0)
         out.append({"claim": f"{r.claim.get('id', '?')}. {r.claim.get('statement', '')}",
                     "the article says": r.claim["preregistered"]["article"],
                     "preregistered test": decided.test,
                     "seeds (planned)": f"{seeds} ({r.claim['preregistered']['seeds']})",
-                    "decisive figure [95% CI]": decided.figure,
-                    "detectable at 80%": decided.mde or "-", "verdict": decided.verdict})
+                    "decisive figure [CI]": decided.figure,
+                    "80% power: effect / seeds": decided.mde or "-",
+                    "verdict": decided.verdict})
     return out
 
 
