@@ -307,22 +307,53 @@ def run_notebook_command(args) -> int:
     return 0
 
 
-def summary_table(summary: dict) -> str:
-    """A summary.json as a table: one row per field, one column per run ('grpo/x' keys)."""
-    runs, fields = {}, {}
-    for key in summary:
-        if "/" in key:
+WIDTH = 100
+"""The columns `run`'s terminal summary fits in."""
+
+
+def summary_table(summary: dict, width: int = WIDTH) -> str:
+    """A summary.json for the terminal, in `width` columns: the verdicts first (one line per
+    finding: verdict, question, effect [interval]), then the description, then a table with
+    one row per run ('grpo/x' keys) and as many of its fields as fit."""
+    import textwrap
+
+    def clip(text: str) -> str:
+        return text if len(text) <= width else text[:width - 3] + "..."
+
+    lines = []
+    numbers = sorted({int(k[len("finding"):].split("/")[0]) for k in summary
+                      if k.startswith("finding") and k.endswith("/verdict")})
+    for k in numbers:
+        get = summary.get
+        low, high = get(f"finding{k}/low"), get(f"finding{k}/high")
+        interval = f" [{low:.3g}, {high:.3g}]" if low is not None and high is not None else ""
+        verdict = str(get(f"finding{k}/verdict")).replace(" at this budget", "")
+        lines.append(clip(f"{verdict:<12} {get(f'finding{k}/question', '')}: "
+                          f"{get(f'finding{k}/mean', float('nan')):.3g}{interval}"))
+    if "description" in summary:
+        lines += textwrap.wrap(str(summary["description"]), width)
+    runs: dict[str, dict] = {}
+    for key, value in summary.items():
+        if "/" in key and not key.startswith("finding"):
             run, name = key.rsplit("/", 1)
-            runs.setdefault(run, None)
-            fields.setdefault(name, None)
-    lines = [str(summary["description"])] if "description" in summary else []
+            runs.setdefault(run, {})[name] = value
     if runs:
         def cell(value):
             return f"{value:.3f}" if isinstance(value, float) else str(value)
-        rows = [["field", *runs]] + [
-            [name, *(cell(summary.get(f"{run}/{name}", "")) for run in runs)] for name in fields]
-        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-        lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+        names = list(dict.fromkeys(n for values in runs.values() for n in values))
+        columns = [max(len("run"), *map(len, runs))]
+        chosen = []
+        for name in names:
+            need = max(len(name), *(len(cell(v.get(name, ""))) for v in runs.values()))
+            if sum(columns) + 2 * len(columns) + need > width:
+                break
+            chosen.append(name)
+            columns.append(need)
+        rows = [["run", *chosen]] + [[run, *(cell(values.get(n, "")) for n in chosen)]
+                                     for run, values in runs.items()]
+        lines += ["  ".join(c.ljust(w) for c, w in zip(r, columns)).rstrip() for r in rows]
+        if len(chosen) < len(names):
+            lines.append(clip(f"(and {len(names) - len(chosen)} more fields in summary.json)"))
     return "\n".join(lines)
 
 

@@ -127,3 +127,27 @@ def test_usage_lines_name_the_program_the_user_typed():
     assert module.returncode == 2
     assert module.stderr.startswith("error: python -m labkit sweep: the following arguments "
                                     "are required: experiment (see python -m labkit sweep")
+
+
+def test_runs_terminal_summary_fits_100_columns_with_the_verdicts_first():
+    from labkit.__main__ import WIDTH, summary_table
+
+    summary = {"description": "Two arms over three seeds, each on the same prompts. " * 5,
+               "finding1/question": "rloo gains more held-out accuracy than grpo",
+               "finding1/verdict": "inconclusive at this budget", "finding1/mean": 1.25,
+               "finding1/low": -0.5, "finding1/high": 3.0,
+               "finding2/question": "x" * 150, "finding2/verdict": "supported",
+               "finding2/mean": 2.0}
+    fields = ["accuracy_before", "accuracy_after", "gain", "final_reward", "step_s", "mem_mb",
+              "state_mb", "wall_s", "kl", "entropy"]
+    for arm in ("grpo", "reinforce++-baseline"):
+        for seed in range(3):
+            summary |= {f"{arm}/seed={seed}/{f}": 0.5 + seed for f in fields}
+    lines = summary_table(summary).splitlines()
+    assert max(map(len, lines)) <= WIDTH
+    assert lines[0] == "inconclusive rloo gains more held-out accuracy than grpo: 1.25 [-0.5, 3]"
+    assert lines[1].startswith("supported    xxx") and lines[1].endswith("...")
+    header = next(line for line in lines if line.startswith("run "))
+    assert header.split()[:3] == ["run", "accuracy_before", "accuracy_after"]
+    assert "reinforce++-baseline/seed=2" in "\n".join(lines)
+    assert lines[-1].startswith("(and ") and "more fields in summary.json" in lines[-1]

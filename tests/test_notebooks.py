@@ -70,6 +70,13 @@ def test_notebook_form(stem):
         if cell.cell_type == "code":
             assert cell.outputs == [] and cell.execution_count is None, "commit without outputs"
     assert "resolve_run_dir" in "".join(c.source for c in book.cells)
+    # a cell's last expression is shown in the reader's report.html: never a bare path
+    # (PosixPath('...')) from the run folder or the files write_outputs wrote
+    for cell in book.cells:
+        body = ast.parse(cell.source).body if cell.cell_type == "code" else []
+        if body and isinstance(body[-1], ast.Expr):
+            shown = ast.unparse(body[-1].value)
+            assert shown != "run_dir" and not shown.startswith("lab.write_outputs("), shown
 
 
 def _records(path: Path) -> list[dict]:
