@@ -150,7 +150,14 @@ def test_monitor_findings_ask_whether_a_line_fires_before_the_collapse():
     rows = [{"run": "a", "collapsed": 1, "collapse_step": 8},   # warned (5 < 8)
             {"run": "b", "collapsed": 1, "collapse_step": 8},   # fired after: no warning
             {"run": "c", "collapsed": 0}, {"run": "d", "collapsed": 0}]  # d: a false alarm
-    warned, false = questions.monitor_findings(rows, histories, ["policy/entropy<1 for 5"])
+    joint, warned, false = questions.monitor_findings(rows, histories,
+                                                      ["policy/entropy<1 for 5"])
+    # one question, sensitivity and specificity together: 1/2 fired first, 1/2 false alarms
+    assert joint.question.startswith("policy/entropy<1 for 5 warns of a collapse")
+    assert joint.interval.mean == 0.0 and joint.direction == "above"
+    assert joint.verdict == stats.INCONCLUSIVE and "Newcombe" in joint.interval.method
+    assert "fired/not: 1/1 of collapsing runs, 1/1 of the others" in joint.note
+    assert "Fisher's exact one-sided p = 0.833" in joint.note
     assert warned.question == "policy/entropy<1 for 5 fires before a collapse"
     assert warned.interval.mean == 0.5 and warned.interval.n == 2
     assert false.interval.mean == 0.5 and false.direction == "below"

@@ -87,10 +87,15 @@ evaluation."""
 def monitor_findings(rows: Sequence[dict], histories: Mapping[str, Sequence[dict]],
                      monitors: Sequence[str] = MONITORS) -> list[Finding]:
     """Do the monitoring lines warn of a collapse? For each rule of `monitors` over the runs
-    of `rows` (each with `collapsed` and `collapse_step`, `histories` by run name): the share
-    of collapsing runs where it fired before the collapse step (the claim: most, above 0.5),
-    and the share of the other runs where it fired at all (false alarms: the claim needs
-    few, below 0.5); Clopper-Pearson intervals. A share over no runs is left out."""
+    of `rows` (each with `collapsed` and `collapse_step`, `histories` by run name), one
+    question judged by sensitivity and specificity together: Youden's J, the share of
+    collapsing runs where it fired before the collapse step minus the share of the other
+    runs where it fired at all (a warning better than chance: above 0), Newcombe's interval
+    for the two groups of runs, with the 2x2 table and Fisher's exact p in its note. Then,
+    as context, each share alone (Clopper-Pearson): fired first (the claim: most, above
+    0.5) and false alarms (below 0.5). A share over no runs is left out."""
+    from scipy.stats import fisher_exact
+
     from labkit import stops
 
     found = []
@@ -99,6 +104,18 @@ def monitor_findings(rows: Sequence[dict], histories: Mapping[str, Sequence[dict
         warned = [_fires(rule, histories[r["run"]], before=r.get("collapse_step"))
                   for r in rows if r["collapsed"]]
         false = [_fires(rule, histories[r["run"]]) for r in rows if not r["collapsed"]]
+        if warned and false:
+            hit, alarm = sum(warned), sum(false)
+            table = [[hit, len(warned) - hit], [alarm, len(false) - alarm]]
+            p = fisher_exact(table, alternative="greater").pvalue
+            found.append(finding(
+                f"{rule} warns of a collapse: it fires before one more often than on a "
+                "healthy run", "Youden's J: share fired before a collapse - share fired on "
+                "the other runs", stats.proportion_difference(hit, len(warned), alarm,
+                                                              len(false)),
+                above=0.0, note=f"fired/not: {hit}/{len(warned) - hit} of collapsing runs, "
+                                f"{alarm}/{len(false) - alarm} of the others; Fisher's "
+                                f"exact one-sided p = {p:.3g}"))
         if warned:
             found.append(finding(f"{rule} fires before a collapse",
                                  "share of collapsing runs where it fired first",
