@@ -203,8 +203,8 @@ def test_a_factorial_claims_smoke_sweep_feeds_two_claims(tmp_path):
     four = [row["question"] for row in results[4].rows]
     eight = [row["question"] for row in results[8].rows]
     assert four and all("fewer runs collapse" in q or "gains more" in q for q in four)
-    assert eight and all(any(w in q for w in ("warns of a collapse", "fires before", "stays quiet"))
-                         for q in eight)
+    words = ("warns of a collapse", "fires before", "stays quiet")
+    assert eight and all(any(w in q for w in words) for q in eight)
     assert any(q.startswith("eval/cgc>=0.15") for q in eight)
     page = findings.write_findings(tmp_path / "findings.md", claims, root, smoke=True)
     every = page.read_text().split("## Every finding")[1]

@@ -211,3 +211,20 @@ def test_informative_findings_compare_the_first_steps_with_each_prediction():
     assert mean2.interval.mean == pytest.approx(15.0) and mean2.verdict == stats.SUPPORTED
     assert own2.interval.mean == pytest.approx(0.0) and own2.verdict == stats.INCONCLUSIVE
     assert mean8.interval.mean == pytest.approx(30.0) and own8.interval.n == 3
+
+
+def test_arm_rows_report_collapse_apart_from_learning_and_the_area_under_the_curve():
+    from labkit.lab.summaries import accuracy_auc
+
+    rows = [_row("kl0", s, g, 0.2, 1.0, collapsed=c, accuracy_auc=0.3 + g / 2)
+            for s, (g, c) in enumerate([(0.2, 0), (-0.3, 1), (0.3, 0), (-0.25, 1)])]
+    (row,) = verdicts.arm_rows(rows)
+    assert row["collapsed"].startswith("2/4 [0.07, 0.93]")  # Clopper-Pearson of 2 of 4
+    assert row["gain_kept"].startswith("0.250 [")  # the mean gain of the runs that held
+    assert row["gain"].startswith("-0.012 [")  # all runs: the collapses pull it down
+    assert row["accuracy_auc"].startswith("0.294 [")
+    # trapezoids over the evaluations' steps, as a mean accuracy
+    history = [{"step": 0, "eval/accuracy": 0.2}, {"step": 5}, {"step": 10,
+               "eval/accuracy": 0.4}, {"step": 30, "eval/accuracy": 0.4}]
+    assert accuracy_auc(history) == pytest.approx((10 * 0.3 + 20 * 0.4) / 30)
+    assert accuracy_auc(history[:2]) is None

@@ -77,11 +77,25 @@ def collapse_step(history: Sequence[dict], accuracy_before: float,
     return min(found) if found else None
 
 
+def accuracy_auc(history: Sequence[dict]) -> float | None:
+    """The area under the held-out accuracy curve over the run, as a mean accuracy: the
+    trapezoids between evaluations (`eval/accuracy` at their steps) over the steps they
+    span. Beside the final gain it tells a run that learned early from one that learned at
+    the end; None with fewer than two evaluations."""
+    points = [(r["step"], r["eval/accuracy"]) for r in history
+              if isinstance(r.get("eval/accuracy"), (int, float)) and "step" in r]
+    if len(points) < 2 or points[-1][0] == points[0][0]:
+        return None
+    area = sum((s1 - s0) * (a0 + a1) / 2 for (s0, a0), (s1, a1) in zip(points, points[1:]))
+    return area / (points[-1][0] - points[0][0])
+
+
 def summary_rows(results: Mapping[str, RunResult]) -> list[dict]:
     """One row per run (its `arm`, the name without "/seed=s", and its `seed`): accuracy
     before/after and their difference (`gain`), final reward, cost, the mean over steps of
     KL, entropy, clip fractions, GAV and completion length (`length`; `length_final` over
-    the last fifth of the steps; missing keys left out), whether the run was found dead
+    the last fifth of the steps; missing keys left out), the area under the held-out
+    accuracy curve (`accuracy_auc`), whether the run was found dead
     (`dead_run` 1 or 0; `dead_step`, the step it was found) and whether it collapsed
     (`collapsed` 1 or 0; `collapse_step`, see `collapse_step`)."""
     rows = []
@@ -104,6 +118,7 @@ def summary_rows(results: Mapping[str, RunResult]) -> list[dict]:
         row |= {k: _mean(_values(h, key)) for k, key in means.items()}
         lengths = _values(h, "rollout/length_mean")
         row["length_final"] = _mean(lengths[-max(1, len(lengths) // 5):])
+        row["accuracy_auc"] = accuracy_auc(h)
         row["dead_run"] = int(result.dead is not None)
         if result.dead is not None:
             row["dead_step"] = result.dead["step"]

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 from labkit import stats
 
-FIGURES = ("accuracy_before", "accuracy_after", "gain", "final_reward", "step_s", "mem_mb",
-           "wall_s")
+FIGURES = ("accuracy_before", "accuracy_after", "gain", "accuracy_auc", "final_reward",
+           "step_s", "mem_mb", "wall_s")
 """The figures `arm_rows` gives an interval for, where the rows have them."""
 
 
@@ -70,7 +70,10 @@ def by_arm(rows: Sequence[dict]) -> dict[str, dict[int, dict]]:
 
 def arm_rows(rows: Sequence[dict], digits: int = 3) -> list[dict]:
     """One row per arm: its seeds, and for each of FIGURES the mean over seeds with its 95%
-    t-interval, 'mean [low, high]' (the mean alone for one seed)."""
+    t-interval, 'mean [low, high]' (the mean alone for one seed); where the rows say which
+    runs collapsed, collapse apart from learning: `collapsed`, k of n runs with the
+    Clopper-Pearson interval of the rate, and `gain_kept`, the gain over the runs that did
+    not collapse."""
     out = []
     for arm, seeds in by_arm(rows).items():
         row = {"arm": arm, "seeds": len(seeds)}
@@ -78,11 +81,20 @@ def arm_rows(rows: Sequence[dict], digits: int = 3) -> list[dict]:
             values = [r[key] for r in seeds.values()
                       if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
             if len(values) == len(seeds):
-                interval = stats.mean_interval(values)
-                row[key] = (f"{interval.mean:.{digits}f}" if interval.n == 1
-                            else interval.format(digits))
+                row[key] = _shown(stats.mean_interval(values), digits)
+        if all("collapsed" in r for r in seeds.values()):
+            fell = sum(int(r["collapsed"]) for r in seeds.values())
+            rate = stats.proportion_interval(fell, len(seeds))
+            row["collapsed"] = f"{fell}/{len(seeds)} [{rate.low:.2f}, {rate.high:.2f}]"
+            kept = [r["gain"] for r in seeds.values() if not r["collapsed"] and "gain" in r]
+            if kept:
+                row["gain_kept"] = _shown(stats.mean_interval(kept), digits)
         out.append(row)
     return out
+
+
+def _shown(interval: stats.Interval, digits: int) -> str:
+    return f"{interval.mean:.{digits}f}" if interval.n == 1 else interval.format(digits)
 
 
 def paired(rows: Sequence[dict], a: str, b: str, key: str) -> tuple[list[float], list[float]]:
