@@ -99,14 +99,30 @@ def _x86_kernels_reach_bf16() -> bool:
 
 def machine(config: TrainConfig) -> dict:
     """What a run's numbers depend on beyond its config, for config.json: the device, the
-    CPU's kernel capability (AVX2 and AVX-512 kernels round differently), torch's CPU threads
+    CPU's model and kernel capability (AVX2 and AVX-512 kernels round differently), torch's CPU threads
     (they split the products' sums) and the precision the update runs in."""
     from labkit.models import resolve_device
 
     device = resolve_device(config.device)
-    return {"device": str(device), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+    return {"device": str(device), "cpu_model": cpu_model(),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "cpu_bf16_native": cpu_bf16_native(), "threads": torch.get_num_threads(),
             "precision": resolve_precision(config.precision, device)}
+
+
+def cpu_model() -> str:
+    """The CPU's model name ("AMD EPYC 9R14 96-Core Processor"): Linux's /proc/cpuinfo, else
+    what the platform module knows ("" when nothing)."""
+    import platform
+
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.processor() or ""
 
 
 def peak_rss_mb() -> float:

@@ -228,7 +228,9 @@ def test_the_page_decides_a_claim_from_its_per_seed_csv_once_its_runs_are_gone(f
     (run / "summary.json").write_text(json.dumps(summary))
     findings.write_findings(out, claims, root)
     record = out.with_suffix("") / "07_fixture.csv"
-    assert record.read_text().splitlines()[0].startswith("sweep_run,arm,seed,gain")
+    header, first = record.read_text().splitlines()[:2]
+    assert header.startswith("sweep_run,arm,seed,commit,cpu,torch,gain")
+    assert first.startswith("seed=0,grpo,0,,AVX2,,0.4")  # the run's CPU from its config.json
 
     def glance_line(text):
         return next(line for line in text.split("## Every finding")[0].splitlines()

@@ -130,7 +130,8 @@ def test_records_of_a_summary_and_their_csv_round_trip(tmp_path):
                        {"sweep_run": "seed=0", "arm": "samples/G=4", "seed": 1,
                         "collapsed": 1}]
     path = findings.write_records(records, tmp_path / "claim.csv")
-    assert path.read_text().splitlines()[0] == "sweep_run,arm,seed,collapsed,gain"
+    assert path.read_text().splitlines()[0] == \
+        "sweep_run,arm,seed,commit,cpu,torch,collapsed,gain"
     assert findings.read_records(path) == records
 
 

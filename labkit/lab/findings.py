@@ -51,8 +51,29 @@ class ClaimResult:
     (`write_records`)."""
 
 
-RECORD_KEYS = ("sweep_run", "arm", "seed")
-"""The first columns of a per-seed record; the figures follow in name order."""
+RECORD_KEYS = ("sweep_run", "arm", "seed", "commit", "cpu", "torch")
+"""The first columns of a per-seed record (the training code's commit, the CPU's model and
+kernel capability, torch's version); the figures follow in name order."""
+
+
+def _run_facts(run_path: Path) -> dict:
+    """What the training runs of a sweep run ran on, from their config.json files: the
+    commit, the CPU and torch's version, each joined by ' + ' when the runs differ."""
+    found: dict[str, set] = {"commit": set(), "cpu": set(), "torch": set()}
+    for path in run_path.rglob("config.json"):
+        try:
+            record = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        machine = record.get("machine") or {}
+        if record.get("git_commit"):
+            found["commit"].add(str(record["git_commit"])[:7])
+        cpu = " ".join(str(machine.get(k, "")) for k in ("cpu_model", "cpu_capability"))
+        if cpu.strip():
+            found["cpu"].add(cpu.strip())
+        if (record.get("versions") or {}).get("torch"):
+            found["torch"].add(str(record["versions"]["torch"]))
+    return {k: " + ".join(sorted(v)) for k, v in found.items() if v}
 
 
 def records_of(summary: dict, sweep_run: str) -> list[dict]:
@@ -100,7 +121,7 @@ def read_records(path: str | Path) -> list[dict]:
             for key, text in row.items():
                 if text in ("", None):
                     continue
-                if key in ("sweep_run", "arm"):
+                if key in ("sweep_run", "arm", "commit", "cpu", "torch"):
                     record[key] = text
                 else:
                     number = float(text)
@@ -197,7 +218,9 @@ def collect(claims_dir: str | Path = CLAIMS_DIR, root: str | Path | None = None,
         for claim in sweep.claims:
             result = ClaimResult(file, claim, runs_done=len(done), runs_total=len(runs))
             for run in done:
-                result.records += records_of(run.summary, run.id)
+                facts_of_run = _run_facts(run.path)
+                result.records += [{**r, **facts_of_run}
+                                   for r in records_of(run.summary, run.id)]
             stored = Path(records_dir) / f"{file.stem}.csv" if records_dir else None
             if not done and stored is not None and stored.is_file():
                 result.records = read_records(stored)
