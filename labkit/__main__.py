@@ -262,16 +262,9 @@ def run_findings_command(args) -> int:
     from labkit.lab.findings import write_findings
 
     if args.all:
-        from labkit.lab.sweeps import load_sweep, run_sweep
-        from labkit.rundir import RUNS_ROOT
+        from labkit.lab.findings import run_claims
 
-        files = sorted(Path(args.claims).glob("*.yaml"))
-        sweeps = [load_sweep(f, smoke=args.smoke) for f in files]  # every claim checked first
-        failed = []
-        for sweep in sweeps:
-            runs = run_sweep(sweep, RUNS_ROOT if args.root is None else args.root,
-                             workers=args.workers)
-            failed += [r.id for r in runs if r.status == "failed"]
+        failed = run_claims(args.claims, args.root, smoke=args.smoke, workers=args.workers)
         if failed:
             print(f"error: {len(failed)} claim runs failed: {'; '.join(failed)}; the page is "
                   "written from the others", file=sys.stderr)

@@ -63,8 +63,10 @@ class TrainConfig:
     (correctness: the final answer verified; strict: only a boxed answer counts; format: ends
     in a box); shaped(lam=0.3): correctness - lam * (1 - the fraction of intermediate results
     written); noisy(p=P): correctness's 0/1 verdict flipped with probability P, drawn from the
-    step's seed (a reward model of accuracy 1 - P); a wrapper's first argument may name another
-    reward, noisy(strict, p=0.1); a TRL reward function package.module:function, called with
+    step's seed (a reward model of accuracy 1 - P); systematic(p=P): every verdict flipped on
+    a fixed share P of the prompts (a reward model whose errors follow the problem); a
+    wrapper's first argument may name another reward, noisy(strict, p=0.1); a TRL reward
+    function package.module:function, called with
     the keywords prompts, completions, answer, steps, target, step_seed; or a weighted sum of
     these, correctness+0.3*format (weights finite, non-zero; '-' subtracts). In Python also a
     list of (reward, weight) pairs, stored as that sum."""

@@ -70,6 +70,41 @@ def noisy(reward_fn: RewardFn, p: float) -> RewardFn:
     return noisy_reward
 
 
+def systematic(reward_fn: RewardFn, p: float) -> RewardFn:
+    """A reward model of accuracy about 1 - p whose errors are systematic: on a fixed share p
+    of the prompts it is confidently wrong, every 0/1 verdict flipped, at every step.
+
+    `noisy` flips each verdict on its own, errors a policy cannot learn to exploit; a learned
+    reward model errs on some kinds of problem and not others, the same way each time. Here
+    a prompt is a blind spot when u < p, u uniform on [0, 1) drawn from the prompt's text
+    alone (not the step's seed), so the same prompts are blind spots in every step, run and
+    resume, and a smaller p's blind spots are a subset of a larger one's. A verdict other
+    than 0 or 1 raises RewardError."""
+    if isinstance(p, bool) or not isinstance(p, numbers.Real) or not 0.0 <= p <= 1.0:
+        raise ValueError(f"p must be a number in [0, 1], got {p!r}")
+    name = getattr(reward_fn, "__name__", type(reward_fn).__name__)
+
+    def systematic_reward(completions: Sequence, prompts: Sequence = (),
+                          step_seed: int | None = None, **kwargs):
+        verdicts = check_rewards(reward_fn(completions=completions, prompts=prompts,
+                                           step_seed=step_seed, **kwargs), name)
+        if len(prompts) != len(verdicts):
+            raise RewardError(f"systematic needs each completion's prompt: got "
+                              f"{len(prompts)} prompts for {len(verdicts)} completions")
+        out = []
+        for i, (prompt, verdict) in enumerate(zip(prompts, verdicts)):
+            if verdict not in (0.0, 1.0):
+                raise RewardError(f"systematic flips 0/1 verdicts, but {name} returned "
+                                  f"{verdict!r} at index {i}")
+            blind = random.Random(f"labkit.systematic/{prompt}").random() < p
+            out.append(1.0 - verdict if blind else verdict)
+        return out
+
+    systematic_reward.__name__ = systematic_reward.__qualname__ = \
+        f"systematic({name},p={p:g})"
+    return systematic_reward
+
+
 @dataclass(frozen=True)
 class Wrapper:
     """A reward made from another one and numeric parameters: `build(base, **params)`."""
@@ -89,6 +124,10 @@ WRAPPERS = {
     "noisy": Wrapper(noisy, {"p": (None, 0.0, 1.0, "the probability of flipping a verdict")},
                      "a verifier of accuracy 1 - p, each 0/1 verdict flipped with probability p",
                      binary_base=True),
+    "systematic": Wrapper(systematic, {"p": (None, 0.0, 1.0,
+                                             "the share of prompts whose verdicts it flips")},
+                          "a reward model wrong on a fixed share p of the prompts, every "
+                          "verdict there flipped", binary_base=True),
 }
 """Rewards with parameters, by name: `shaped(lam=0.3)`, `noisy(p=0.2)`, `noisy(strict, p=0.1)`."""
 
@@ -329,5 +368,5 @@ class RewardSpecs:
 
 REWARD_SPECS = RewardSpecs()
 
-__all__ = ["noisy", "WRAPPERS", "Wrapper", "Term", "parse", "spec_text", "build",
+__all__ = ["noisy", "systematic", "WRAPPERS", "Wrapper", "Term", "parse", "spec_text", "build",
            "reward_columns", "score", "score_terms", "RewardSpecs", "REWARD_SPECS", "example"]

@@ -174,19 +174,25 @@ def test_a_paired_collapse_is_decided_by_its_exact_test():
     assert decided.verdict == stats.SUPPORTED and "McNemar" in decided.figure
 
 
-def test_findings_all_runs_every_claim_sweep_then_writes_the_page(tmp_path, monkeypatch):
+def test_findings_all_runs_each_claims_batches_until_it_is_decided(tmp_path, monkeypatch):
     import labkit.lab.findings
     import labkit.lab.sweeps
 
     ran = []
-    monkeypatch.setattr(labkit.lab.sweeps, "run_sweep",
-                        lambda sweep, root, workers=1: ran.append(sweep.name) or [])
-    monkeypatch.setattr(labkit.lab.findings, "write_findings",
-                        lambda out, *a, **k: Path(out))
-    done = in_process("findings", "--all", "--out", tmp_path / "f.md", "--no-figures")
+    monkeypatch.setattr(labkit.lab.sweeps, "run_sweep", lambda sweep, root, workers=1:
+                        ran.append((sweep.name, tuple(sweep.seeds))) or [])
+    monkeypatch.setattr(labkit.lab.findings, "write_findings", lambda out, *a, **k: Path(out))
+    argv = ("findings", "--all", "--root", tmp_path / "runs", "--out", tmp_path / "f.md")
+    done = in_process(*argv)  # nothing is decided without runs: every batch runs
     assert done.returncode == 0, done.stderr
-    names = [load_sweep(path).name for path in CLAIMS]
-    assert ran == names
+    batches = [(load_sweep(p).name, tuple(load_sweep(p).seeds[:k]))
+               for p in CLAIMS for k in range(1, len(load_sweep(p).seeds) + 1)]
+    assert ran == batches and ("claim02_baselines", (0, 5)) in ran
+    ran.clear()
+    decided = findings.ClaimVerdict("t", "f", stats.SUPPORTED)
+    monkeypatch.setattr(labkit.lab.findings, "claim_verdict", lambda result: decided)
+    assert in_process(*argv).returncode == 0
+    assert ran == [(load_sweep(p).name, (0,)) for p in CLAIMS]  # decided at the first batch
 
 
 def test_a_claim_is_read_at_each_look_of_its_plan_and_says_what_more_seeds_would_need():
@@ -206,3 +212,17 @@ def test_a_claim_is_read_at_each_look_of_its_plan_and_says_what_more_seeds_would
     assert undecided.verdict == stats.INCONCLUSIVE and "10 seeds, look 2 of 2" in \
         undecided.figure
     assert re.fullmatch(r"about \d+ seeds", undecided.mde) and int(undecided.mde.split()[1]) > 10
+
+
+def test_batches_of_paired_seeds_may_not_overlap(tmp_path):
+    spec = yaml.safe_load((REPO / "experiments" / "claims" / "06_reward_accuracy.yaml")
+                          .read_text())
+    spec["notebook"] = str(REPO / "notebooks" / "05_arms.ipynb")
+    path = tmp_path / "06.yaml"
+    for seeds, ok in (([0, 5, 10], True), ([0, 4], False)):
+        path.write_text(yaml.safe_dump({**spec, "seeds": seeds}, allow_unicode=True))
+        if ok:
+            assert load_sweep(path).seeds == seeds
+        else:
+            with pytest.raises(ValueError, match="must lie at least 5 apart"):
+                load_sweep(path)

@@ -11,7 +11,8 @@ import textwrap
 import pytest
 
 from labkit import reward_specs
-from labkit.reward_specs import build, noisy, parse, reward_columns, score, spec_text
+from labkit.reward_specs import (build, noisy, parse, reward_columns, score, spec_text,
+                                 systematic)
 from labkit.rewards import RewardError, correctness, format_reward, strict
 from labkit.tasks import ArithmeticTask, Problem
 
@@ -116,6 +117,35 @@ def test_noisy_repeats_per_step_seed_and_nests_in_p():
     assert flipped_low < flipped_high  # the same uniforms: a smaller p flips a subset
     assert noisy(_truth, 0.0)(completions=completions, step_seed=1) == truth
     assert noisy(_truth, 1.0)(completions=completions, step_seed=1) == [1 - t for t in truth]
+
+
+def test_systematic_flips_every_verdict_of_a_fixed_share_of_the_prompts():
+    """The errors follow the prompt, not the step: the same prompts are blind spots at every
+    step, all of their verdicts flipped, about a share p of the prompts, nested in p."""
+    prompts = [f"{a}+{b}=" for a in range(40) for b in range(25)]  # 1,000 prompts
+    completions = ["right", "wrong"] * (len(prompts) // 2)
+    truth = _truth(completions)
+
+    def blind(fn, seed):
+        out = fn(completions=completions, prompts=prompts, step_seed=seed)
+        return {prompts[i] for i, (a, b) in enumerate(zip(truth, out)) if a != b}
+
+    low, high = systematic(_truth, 0.1), systematic(_truth, 0.3)
+    first = blind(high, 0)
+    assert blind(high, 1) == first  # the step seed does not move them
+    assert abs(len(first) / len(prompts) - 0.3) < 4.5 * math.sqrt(0.3 * 0.7 / len(prompts))
+    assert blind(low, 5) < first  # a smaller p's blind spots are a subset
+    # every completion of a blind prompt is judged wrongly, the others rightly
+    twice = systematic(_truth, 0.3)(completions=["right", "wrong"] * 2,
+                                    prompts=[prompts[0]] * 2 + [prompts[1]] * 2)
+    assert twice[:2] in ([1.0, 0.0], [0.0, 1.0]) and twice[2:] in ([1.0, 0.0], [0.0, 1.0])
+    assert systematic(_truth, 0.0)(completions=completions, prompts=prompts) == truth
+    with pytest.raises(RewardError, match="each completion's prompt"):
+        systematic(_truth, 0.2)(completions=["right"], prompts=[])
+    with pytest.raises(RewardError, match="0/1"):
+        systematic(lambda completions, **kw: [0.5] * len(completions), 0.1)(
+            completions=["x"], prompts=["1+1="])
+    assert build("systematic(strict, p=0.25)").__name__ == "systematic(strict,p=0.25)"
 
 
 def test_noisy_refuses_a_verdict_that_is_not_zero_or_one():

@@ -602,6 +602,33 @@ def render(results: list[ClaimResult], commit: str | None, smoke: bool = False,
     return "\n".join(lines) + "\n"
 
 
+def run_claims(claims_dir: str | Path = CLAIMS_DIR, root: str | Path | None = None,
+               smoke: bool = False, workers: int = 1) -> list[str]:
+    """Run every claim's sweep, batch by batch: a claim file's first seeds under `seeds:`
+    are its batches, run in order until every claim the file answers is decided by its
+    preregistered plan (`claim_verdict`) or its batches are spent. Every claim file is
+    checked before the first run; finished runs are skipped, so the suite resumes. Returns
+    the ids of the runs that failed."""
+    import dataclasses
+
+    from labkit.lab.sweeps import load_sweep, run_sweep
+    from labkit.rundir import RUNS_ROOT
+
+    root = Path(RUNS_ROOT if root is None else root)
+    files = sorted(Path(claims_dir).glob("*.yaml"))
+    sweeps = [(f, load_sweep(f, smoke=smoke)) for f in files]  # every claim checked first
+    failed = []
+    for file, sweep in sweeps:
+        for k in range(1, len(sweep.seeds) + 1):
+            runs = run_sweep(dataclasses.replace(sweep, seeds=sweep.seeds[:k]), root,
+                             workers=workers)
+            failed += [r.id for r in runs if r.status == "failed"]
+            answered = [r for r in collect(claims_dir, root, smoke) if r.file == file]
+            if all(claim_verdict(r).verdict != stats.INCONCLUSIVE for r in answered):
+                break
+    return failed
+
+
 def write_findings(out: str | Path = FINDINGS_PAGE, claims_dir: str | Path = CLAIMS_DIR,
                    root: str | Path | None = None, smoke: bool = False,
                    figures: bool = False) -> Path:

@@ -207,9 +207,14 @@ def _checked(sweep: Sweep, where: str) -> Sweep:
         raise ValueError(f"{where}: seeds must be a non-empty list of distinct ints, got {seeds!r}")
     seeds = [read_parameter("seed", s, kind["seed"], book) for s in seeds]
     if "seeds" in params and len(seeds) > 1:
-        raise ValueError(f"{where}: {book} runs its own paired seeds (its `seeds` parameter: "
-                         f"seed, seed+1, ...): list one first seed under `seeds:` and set "
-                         f"`seeds: N` under `parameters:`, or the runs' seeds overlap")
+        # each run trains seed, seed+1, ..., seed+N-1: batches of seeds that must not overlap
+        per_run = fixed.get("seeds", params["seeds"].default)
+        ordered = sorted(seeds)
+        if "seeds" in grid or any(b - a < per_run for a, b in zip(ordered, ordered[1:])):
+            raise ValueError(f"{where}: {book} runs its own paired seeds (its `seeds` "
+                             f"parameter, {per_run}: seed, seed+1, ...): first seeds under "
+                             f"`seeds:` must lie at least {per_run} apart, or the runs' seeds "
+                             "overlap")
     for point in itertools.product(*grid.values()):
         for seed in seeds:
             check_config_rules(sweep.notebook, params,
