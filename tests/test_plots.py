@@ -8,6 +8,7 @@ import plotly.io as pio
 import pytest
 import torch
 
+from labkit import stats
 from labkit.lab import live as live_figure
 from labkit.lab import plots
 from labkit.config import TrainConfig
@@ -195,3 +196,30 @@ def test_registered_advantages_give_every_critic_free_estimator_per_completion()
     assert all(a.shape == (4,) for a in table.values())
     assert torch.equal(table["remax"], r - 1.0)
     assert torch.equal(table["rloo"], adv.rloo(r, 4))
+
+
+def test_metric_lines_draw_an_arm_over_seeds_as_its_mean_with_a_band():
+    histories = {f"grpo/seed={s}": _history(6, offset=0.1 * s) for s in range(3)}
+    histories["ppo"] = _history(6, offset=1.0)
+    fig = plots.metric_lines(histories, ["rollout/reward_mean"])
+    runs, band, mean, ppo = fig.data[:3], fig.data[3], fig.data[4], fig.data[5]
+    assert all(t.line.width < 1 and t.showlegend is False for t in runs)
+    assert band.fill == "toself" and len(band.x) == 2 * 7
+    # the mean over the three seeds, offsets 0, 0.1, 0.2: 0.1 above the first seed
+    assert list(mean.y) == pytest.approx([0.1 * s + 0.1 for s in range(7)])
+    assert mean.name == "grpo (mean of 3)" and mean.showlegend
+    half = stats.mean_interval([0.0, 0.1, 0.2])
+    assert band.y[0] == pytest.approx(half.high) and band.y[-1] == pytest.approx(half.low)
+    assert ppo.name == "ppo" and ppo.line.width is None  # one run: its own line
+
+
+def test_finding_intervals_draw_ratios_on_a_log_axis():
+    def row(method, mean, low, high, threshold):
+        return {"question": "q", "run": "seed=0", "verdict": "supported", "measure": "m",
+                "effect": "e", "method": method, "mean": mean, "low": low, "high": high,
+                "threshold": threshold}
+
+    fig = plots.finding_intervals([
+        row("t-interval of log ratios over 5 seeds, exponentiated", 1.8, 1.6, 2.0, 1.0),
+        row("paired t over 5 seeds", 1.2, 0.3, 2.1, 0.0)])
+    assert fig.layout.xaxis.type == "log" and fig.layout.xaxis2.type != "log"

@@ -181,14 +181,23 @@ def _points(records: Sequence[dict], key: str, x: str) -> tuple[list, list]:
 
 def metric_lines(histories: Mapping[str, Sequence[dict]], keys: Sequence[str], *,
                  x: str = "step", cols: int = 2, title: str | None = None) -> go.Figure:
-    """One subplot per metric key, one line per run (a run's records lacking the key are
-    skipped, so an eval metric shows its evaluation steps). `x`: "step" or "samples"."""
+    """One subplot per metric key (a run's records lacking the key are skipped, so an eval
+    metric shows its evaluation steps; `x`: "step" or "samples"). Runs named
+    "<arm>/seed=<s>" are drawn per arm: the mean over its seeds with its 95% t band where
+    every seed has the point, each run a thin line; other runs one line each."""
     rows = math.ceil(len(keys) / cols)
     fig = make_subplots(rows=rows, cols=cols, subplot_titles=list(keys),
                         vertical_spacing=0.12 if rows > 1 else 0.2)
+    arms: dict[str, dict[str, Sequence[dict]]] = {}
+    for name, records in histories.items():
+        arms.setdefault(name.split("/seed=")[0], {})[name] = records
     for k, key in enumerate(keys):
         row, col = k // cols + 1, k % cols + 1
-        for i, (name, records) in enumerate(histories.items()):
+        for i, (arm, runs) in enumerate(arms.items()):
+            if len(runs) > 1:
+                _arm_band(fig, arm, runs, key, x, color(i), k == 0, row, col)
+                continue
+            ((name, records),) = runs.items()
             xs, ys = _points(records, key, x)
             sparse = len(xs) < len(records) or len(xs) <= 20  # eval steps, or few points
             fig.add_scatter(x=xs, y=ys, name=name, legendgroup=name, showlegend=k == 0,
@@ -197,6 +206,32 @@ def metric_lines(histories: Mapping[str, Sequence[dict]], keys: Sequence[str], *
         fig.update_xaxes(title_text=x, row=row, col=col)
     fig.update_layout(height=300 * rows + 80, title=title)
     return fig
+
+
+def _arm_band(fig: go.Figure, arm: str, runs: Mapping[str, Sequence[dict]], key: str, x: str,
+              shade: str, legend: bool, row: int, col: int) -> None:
+    """An arm's runs as thin lines, then the band of the 95% t interval of their mean at
+    each x every run has, then the mean itself."""
+    from labkit import stats
+
+    points = {name: dict(zip(*_points(records, key, x))) for name, records in runs.items()}
+    for name, at in points.items():
+        fig.add_scatter(x=list(at), y=list(at.values()), name=name, legendgroup=arm,
+                        showlegend=False, mode="lines", opacity=0.35,
+                        line=dict(color=shade, width=0.7), hoverinfo="skip", row=row, col=col)
+    shared = sorted(set.intersection(*(set(at) for at in points.values())))
+    found = [stats.mean_interval([at[v] for at in points.values()]) for v in shared]
+    if not shared:
+        return
+    fig.add_scatter(x=shared + shared[::-1], y=[f.high for f in found] + [f.low for f in
+                                                                         found[::-1]],
+                    fill="toself", fillcolor=shade, opacity=0.2, line=dict(width=0),
+                    name=f"{arm}: 95% interval", legendgroup=arm, showlegend=False,
+                    hoverinfo="skip", row=row, col=col)
+    fig.add_scatter(x=shared, y=[f.mean for f in found], name=f"{arm} (mean of {len(runs)})",
+                    legendgroup=arm, showlegend=legend,
+                    mode="lines+markers" if len(shared) <= 20 else "lines",
+                    line=dict(color=shade, width=2.5), row=row, col=col)
 
 
 def sweep_lines(rows: Sequence[dict], keys: Sequence[str], *, x: str = "group_size",
@@ -259,7 +294,8 @@ def finding_intervals(rows: Sequence[dict], *, title: str | None = None) -> go.F
     """One claim's findings (rows of `labkit.lab.findings.finding_row`), one panel each with
     its own scale (a claim may mix points, ratios and shares): the effect as a point with its
     95% interval, colored by verdict, and a dark tick at the threshold the claim needs it to
-    clear. A finding without an interval (one seed) is a point."""
+    clear. A finding without an interval (one seed) is a point; a ratio (an interval of log
+    ratios) is drawn on a log axis, where 0.5 and 2 lie as far from 1."""
     from plotly.subplots import make_subplots
 
     rows = list(rows)
@@ -279,8 +315,9 @@ def finding_intervals(rows: Sequence[dict], *, title: str | None = None) -> go.F
             fig.add_scatter(x=[row["threshold"]], y=[0], mode="markers", row=k, col=1,
                             marker=dict(symbol="line-ns", size=22, line=dict(width=2),
                                         color="#444"), showlegend=False, hoverinfo="skip")
+        ratio = "log ratio" in row.get("method", "") and row["mean"] > 0
         fig.update_xaxes(title_text=_wrap(row["measure"], 110), title_font_size=10,
-                         row=k, col=1)
+                         type="log" if ratio else None, row=k, col=1)
         fig.update_yaxes(visible=False, row=k, col=1)
     fig.update_annotations(font_size=11)
     fig.update_layout(title=title, height=110 + 140 * len(rows), width=900,
