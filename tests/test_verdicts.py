@@ -167,14 +167,22 @@ def test_monitor_findings_ask_whether_a_line_fires_before_the_collapse():
 def test_diagnostic_findings_take_the_critic_over_the_group_per_run():
     keys = ("diag/grad_rel_var_raw/ppo_critic", "diag/grad_rel_var_raw/grpo",
             "diag/grad_rel_var/ppo_gae", "diag/grad_rel_var/grpo",
-            "diag/baseline_mse/ppo_critic", "diag/baseline_mse/grpo")
+            "diag/baseline_mse/ppo_critic", "diag/baseline_mse/grpo",
+            "diag/grad_rel_var_raw/rloo", "diag/grad_cos_raw/ppo_critic",
+            "diag/grad_cos_raw/rloo")
     histories, rows = {}, []
     for seed, scale in enumerate((2.0, 3.0, 4.0)):
-        first = {"step": 0, **dict(zip(keys, (8.0, 1.0, 8.0, 1.0, 0.5, 0.1)))}
-        last = {"step": 50, **dict(zip(keys, (scale, 1.0, scale, 1.0, 0.05, 0.1)))}
+        first = {"step": 0, **dict(zip(keys, (8.0, 1.0, 8.0, 1.0, 0.5, 0.1, 1.0, 0.5, 0.5)))}
+        last = {"step": 50, **dict(zip(keys, (scale, 1.0, scale, 1.0, 0.05, 0.1, 0.5, 0.6,
+                                              0.8)))}
         histories[f"ppo/seed={seed}"] = [first, {"step": 1}, last]
         rows.append({"run": f"ppo/seed={seed}", "arm": "ppo", "seed": seed, "algo": "ppo"})
-    start, end, trained, mse = questions.diagnostic_findings(rows, histories)
+    start, end, trained, mse, rloo, cos = questions.diagnostic_findings(rows, histories)
+    # the article's comparison: leave-one-out against the trained critic, 2-4x / 0.5
+    assert rloo.interval.mean == pytest.approx(2 * 24 ** (1 / 3))
+    assert rloo.threshold == pytest.approx(1 / 0.37) and "rloo" in rloo.question
+    # best-scaled error 1 - cos^2: critic 1 - 0.36, rloo 1 - 0.64, the same on every run
+    assert cos.interval.mean == pytest.approx(0.64 / 0.36)
     assert start.question.startswith("at step 0") and start.interval.mean == pytest.approx(8.0)
     assert end.question.startswith("at step 50")
     assert end.interval.mean == pytest.approx(24 ** (1 / 3))  # geometric mean of 2, 3, 4

@@ -150,10 +150,16 @@ def diagnostic_findings(rows: Sequence[dict],
     first and at the last measurement, over runs (geometric mean, t interval of log ratios).
     Raw gradients (no std scaling, no whitening) compare the baselines themselves; the
     trained ones the advantages each algorithm trains with (PPO: GAE, whitened; GRPO: the
-    group's z-score), against the article's "63% lower variance" (a ratio of 1/0.37)."""
+    group's z-score), against the article's "63% lower variance" (a ratio of 1/0.37). The
+    article's own comparison, the leave-one-out group baseline (rloo) against the trained
+    critic, is asked twice: by relative variance, and by each batch gradient's best-scaled
+    error against the many-sample reference gradient (1 - cos^2, which a baseline that only
+    rescales the gradient does not change)."""
     keys = {"raw": ("diag/grad_rel_var_raw/ppo_critic", "diag/grad_rel_var_raw/grpo"),
             "trained": ("diag/grad_rel_var/ppo_gae", "diag/grad_rel_var/grpo"),
-            "mse": ("diag/baseline_mse/ppo_critic", "diag/baseline_mse/grpo")}
+            "mse": ("diag/baseline_mse/ppo_critic", "diag/baseline_mse/grpo"),
+            "rloo": ("diag/grad_rel_var_raw/ppo_critic", "diag/grad_rel_var_raw/rloo"),
+            "cos": ("diag/grad_cos_raw/ppo_critic", "diag/grad_cos_raw/rloo")}
     measured = {}
     for row in rows:
         records = [r for r in histories[row["run"]] if all(k in r for pair in keys.values()
@@ -171,6 +177,14 @@ def diagnostic_findings(rows: Sequence[dict],
         return stats.ratio_interval([r[a] for r in records], [r[b] for r in records],
                                     unit="runs")
 
+    def error(record: dict, key: str) -> float:
+        """The best-scaled error of a batch gradient against the true one, relative:
+        min_c ||c g - g*||^2 / ||g*||^2 = 1 - cos^2(g, g*)."""
+        return max(1.0 - record[key] ** 2, 1e-12)
+
+    finals = [both[1] for both in measured.values()]
+    critic_err, rloo_err = ([error(r, k) for r in finals] for k in keys["cos"])
+
     relvar = "gradient relative variance"
     return [
         finding(f"at step {first} the group mean is a cleaner baseline than the critic",
@@ -182,6 +196,13 @@ def diagnostic_findings(rows: Sequence[dict],
                 above=1 / 0.37),
         finding(f"at step {last} the group mean is nearer the true value than the critic",
                 "baseline MSE against V*, critic / group mean", ratio("mse", 1), above=1.0),
+        finding(f"at step {last} the leave-one-out group baseline (rloo) gives a gradient "
+                "with 63% less variance than the trained critic",
+                f"{relvar}, raw, critic / rloo", ratio("rloo", 1), above=1 / 0.37),
+        finding(f"at step {last} the leave-one-out group baseline's gradient is nearer the "
+                "true gradient than the critic's",
+                "best-scaled error 1 - cos^2 against the many-sample gradient, critic / rloo",
+                stats.ratio_interval(critic_err, rloo_err, unit="runs"), above=1.0),
     ]
 
 
