@@ -82,7 +82,7 @@ def test_page_from_finished_runs(finished):
     assert "**refuted**" in wrong  # the verdict comes from the interval, not the stored label
     assert all("AVX2, 1 thread" in r for r in rows)
     # a claim with no finished run is listed, not left out
-    assert "| 1. GRPO needs less time per step" in text and "not run yet (0 of 1 runs)" in text
+    assert "| 1. GRPO needs less time per step" in text and "not run yet (0 of 2 runs)" in text
     # claims in id order, and the commands to regenerate the page
     assert text.index("| 1. ") < text.index("| 7. ")
     # one claim-level verdict per claim, from its preregistered primary measure
