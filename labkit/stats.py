@@ -28,7 +28,7 @@ from __future__ import annotations
 import functools
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 SUPPORTED = "supported"
@@ -518,9 +518,25 @@ class SequentialPlan:
             cumulative = [float(2 - 2 * stats.norm.cdf(z / math.sqrt(t))) for t in shares]
         return [c - p for c, p in zip(cumulative, [0.0] + cumulative[:-1])]
 
-    def confidence(self, k: int) -> float:
-        """The confidence of look k's interval."""
-        return 1 - self.spent()[k]
+    def confidence(self, k: int, direction: str = "above") -> float:
+        """The confidence of look k's interval; for an equivalence claim, two one-sided tests
+        each at the look's error, read on the (1 - 2 x error) interval."""
+        error = self.spent()[k]
+        return 1 - 2 * error if direction == "equivalent" else 1 - error
+
+    def run(self, available: int, read: Callable[[int, int], tuple[str, object]]
+            ) -> tuple[int, str, object]:
+        """Read the looks that `available` seeds reach, `read(seeds, look) -> (verdict, what)`
+        (its interval at `confidence(look, ...)` over the first `seeds`), stopping at the
+        first decided one (the last reached otherwise): (look, verdict, what)."""
+        reached = [k for k, n in enumerate(self.looks) if n <= available]
+        if not reached:
+            raise ValueError(f"the first look needs {self.looks[0]} seeds, got {available}")
+        for k in reached:
+            verdict, what = read(self.looks[k], k)
+            if verdict != INCONCLUSIVE or k == reached[-1]:
+                return k, verdict, what
+        raise AssertionError("unreachable")
 
 
 @dataclass(frozen=True)
@@ -541,33 +557,33 @@ def sequential_decide(differences: Sequence[float], plan: SequentialPlan, direct
     stopping at the first decided one (`decide`; equivalence reads the look's interval as
     two one-sided tests at half its error); the last look reached otherwise."""
     xs = _finite(differences, "differences")
-    reached = [k for k, n in enumerate(plan.looks) if n <= len(xs)]
-    if not reached:
-        raise ValueError(f"the first look needs {plan.looks[0]} seeds, got {len(xs)}")
-    for k in reached:
-        n = plan.looks[k]
-        level = plan.confidence(k)
-        if direction == "equivalent":
-            level = 1 - 2 * (1 - level)
-        found = mean_interval(xs[:n], level, **interval_kwargs)
-        decided = decide(found, direction, threshold, margin)
-        if decided != INCONCLUSIVE or k == reached[-1]:
-            return SequentialResult(decided, found, n, k)
-    raise AssertionError("unreachable")
+
+    def read(n: int, k: int) -> tuple[str, Interval]:
+        found = mean_interval(xs[:n], plan.confidence(k, direction), **interval_kwargs)
+        return decide(found, direction, threshold, margin), found
+
+    k, decided, found = plan.run(len(xs), read)
+    return SequentialResult(decided, found, plan.looks[k], k)
+
+
+def implied_sd(interval: Interval) -> float | None:
+    """The per-seed spread a t interval of a mean over interval.n seeds implies (its
+    half-width is t sd / sqrt(n)); None without an interval."""
+    from scipy import stats
+
+    if interval.n < 2 or not (math.isfinite(interval.low) and math.isfinite(interval.high)):
+        return None
+    t = stats.t.ppf(1 - (1 - interval.confidence) / 2, interval.n - 1)
+    return (interval.high - interval.low) / 2 * math.sqrt(interval.n) / t
 
 
 def seeds_needed(interval: Interval, threshold: float = 0.0, power: float = 0.8) -> int | None:
     """How many paired seeds the observed effect would need to clear `threshold` with
     probability `power`, at the spread the interval implies (a t interval of a mean over
     interval.n seeds); None where the effect sits on the threshold or there is no spread."""
-    from scipy import stats
-
-    if interval.n < 2 or not (math.isfinite(interval.low) and math.isfinite(interval.high)):
-        return None
-    t = stats.t.ppf(1 - (1 - interval.confidence) / 2, interval.n - 1)
-    sd = (interval.high - interval.low) / 2 * math.sqrt(interval.n) / t
+    sd = implied_sd(interval)
     gap = abs(interval.mean - threshold)
-    if gap == 0 or sd == 0:
+    if sd is None or gap == 0 or sd == 0:
         return None
     for n in range(2, 10_001):
         if min_detectable(sd, n, interval.confidence, power) <= gap:

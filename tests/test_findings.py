@@ -136,25 +136,13 @@ def test_a_notebook_with_its_own_seeds_takes_one_sweep_seed(tmp_path):
 
 def test_one_sweep_can_answer_several_claims_by_words_or_numbers(finished):
     claims, root, out = finished
-    text = (claims / "07_fixture.yaml").read_text().replace(
-        """claim:
-  id: 7
-  statement: "the fixture's claim"
-  source: "an article"
-  preregistered:
-    article: "the article's own words, with its number"
-    measure: gain
-    finding: "clear"
-    direction: above
-    threshold: 0
-    seeds: 5
-  findings: [1, 2, 3]
-""", """claims:
+    text = (claims / "07_fixture.yaml").read_text()
+    text = text[:text.index("claim:\n")] + ("""claims:
   - {id: 7, statement: "first", source: "an article", findings: ["wide", "wrong"],
      preregistered: %s}
   - {id: 8, statement: "second", source: "another", findings: [2], note: "read  it so",
      preregistered: %s}
-""" % (PREREGISTERED, PREREGISTERED))
+""" % (PREREGISTERED, PREREGISTERED))  # the fixture's one claim block, last, replaced
     (claims / "07_fixture.yaml").write_text(text)
     results = {r.claim["id"]: r for r in findings.collect(claims, root)}
     assert [row["question"] for row in results[7].rows] == ["wide", "wrong label"]

@@ -56,15 +56,23 @@ RECORD_KEYS = ("sweep_run", "arm", "seed", "commit", "cpu", "torch")
 kernel capability, torch's version); the figures follow in name order."""
 
 
+def _configs(run_path: Path) -> list[dict]:
+    """The config.json records of the training runs under `run_path` (unreadable ones
+    skipped)."""
+    out = []
+    for path in run_path.rglob("config.json"):
+        try:
+            out.append(json.loads(path.read_text(encoding="utf-8")))
+        except (OSError, ValueError):
+            continue
+    return out
+
+
 def _run_facts(run_path: Path) -> dict:
     """What the training runs of a sweep run ran on, from their config.json files: the
     commit, the CPU and torch's version, each joined by ' + ' when the runs differ."""
     found: dict[str, set] = {"commit": set(), "cpu": set(), "torch": set()}
-    for path in run_path.rglob("config.json"):
-        try:
-            record = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            continue
+    for record in _configs(run_path):
         machine = record.get("machine") or {}
         if record.get("git_commit"):
             found["commit"].add(str(record["git_commit"])[:7])
@@ -177,11 +185,7 @@ def _machines(run_path: Path) -> tuple[set[str], set[str]]:
     """The CPU kinds ('AVX512, 1 thread') and the short git commits of the training runs
     under `run_path`, from their config.json files."""
     kinds, commits = set(), set()
-    for path in run_path.rglob("config.json"):
-        try:
-            record = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            continue
+    for record in _configs(run_path):
         machine = record.get("machine") or {}
         if machine.get("cpu_capability"):
             threads = machine.get("threads")
@@ -215,12 +219,12 @@ def collect(claims_dir: str | Path = CLAIMS_DIR, root: str | Path | None = None,
                   sum(v for key, v in run.summary.items()
                       if key.endswith("/wall_s") and isinstance(v, (int, float))))
                  for run in done]
+        # the per-seed record of the file's runs, shared by every claim it answers
+        records = [{**r, **_run_facts(run.path)} for run in done
+                   for r in records_of(run.summary, run.id)]
         for claim in sweep.claims:
-            result = ClaimResult(file, claim, runs_done=len(done), runs_total=len(runs))
-            for run in done:
-                facts_of_run = _run_facts(run.path)
-                result.records += [{**r, **facts_of_run}
-                                   for r in records_of(run.summary, run.id)]
+            result = ClaimResult(file, claim, runs_done=len(done), runs_total=len(runs),
+                                 records=list(records))
             stored = Path(records_dir) / f"{file.stem}.csv" if records_dir else None
             if not done and stored is not None and stored.is_file():
                 result.records = read_records(stored)
@@ -392,26 +396,22 @@ def _from_records(prereg, records: list[dict]) -> tuple[str, str, str] | None:
     arms = list(table) if every else [base, arm]
     seeds = sorted(set.intersection(*(set(table[a]) for a in arms)))
     plan = plan_of(prereg)
-    reached = [k for k, n in enumerate(plan.looks) if n <= len(seeds)]
-    if not reached:
+    if len(seeds) < plan.looks[0]:
         return (f"{len(seeds)} shared seeds, short of the first look's {plan.looks[0]}",
                 stats.INCONCLUSIVE, "")
-    for k in reached:
-        first = seeds[:plan.looks[k]]
-        level = plan.confidence(k)
-        if prereg.direction == "equivalent":  # two one-sided tests, each at the look's error
-            level = 1 - 2 * (1 - level)
+
+    def read(n: int, k: int) -> tuple[str, tuple[str, stats.Interval]]:
+        first, level = seeds[:n], plan.confidence(k, prereg.direction)
         if every:
             figure, verdict, interval = _every_arm(prereg, table, base, first, level)
-        else:
-            interval = _pair(kind, [table[arm][s] for s in first],
-                             [table[base][s] for s in first], level,
-                             _gain_floor(records, prereg.measure))
-            figure, verdict = f"{arm} vs {base}: {interval.format(2)}", prereg.decide(interval)
-        if verdict != stats.INCONCLUSIVE or k == reached[-1]:
-            break
-    look = (f"{len(first)} seeds, look {k + 1} of {len(plan.looks)} at {100 * level:.2f}% "
-            f"({interval.method})")
+            return verdict, (figure, interval)
+        interval = _pair(kind, [table[arm][s] for s in first], [table[base][s] for s in first],
+                         level, _gain_floor(records, prereg.measure))
+        return prereg.decide(interval), (f"{arm} vs {base}: {interval.format(2)}", interval)
+
+    k, verdict, (figure, interval) = plan.run(len(seeds), read)
+    look = (f"{plan.looks[k]} seeds, look {k + 1} of {len(plan.looks)} at "
+            f"{100 * interval.confidence:.2f}% ({interval.method})")
     more = ""
     if verdict == stats.INCONCLUSIVE and kind == "difference" and not every:
         needed = stats.seeds_needed(interval, prereg.threshold)
@@ -468,15 +468,10 @@ def _nan(value) -> float:
 def _mde(interval: stats.Interval) -> float | None:
     """The smallest difference `stats.min_detectable` finds at the interval's seeds, from the
     spread its t interval implies (half-width = t sd / sqrt(n)); None for another kind."""
-    from scipy import stats as sps
-
     method = interval.method
     linear_t = ("paired t" in method or method.startswith("t-interval")) and "log" not in method
-    if interval.n < 2 or not math.isfinite(interval.low) or not linear_t:
-        return None
-    t = sps.t.ppf(1 - (1 - interval.confidence) / 2, interval.n - 1)
-    sd = (interval.high - interval.low) / 2 * math.sqrt(interval.n) / t
-    return stats.min_detectable(sd, interval.n, interval.confidence)
+    sd = stats.implied_sd(interval) if linear_t else None
+    return None if sd is None else stats.min_detectable(sd, interval.n, interval.confidence)
 
 
 GLANCE = ("claim", "the article says", "preregistered test", "seeds (planned)",
