@@ -253,6 +253,9 @@ def _findings_parser(sub) -> None:
                           "interrupted suite resumes), then write the page")
     cmd.add_argument("--workers", type=int, default=1,
                      help="with --all: notebooks run at once (default: 1)")
+    cmd.add_argument("--only", default=None, metavar="FILES",
+                     help="with --all: run only these claim files, by stem, comma-separated "
+                          "(such as 01_cost,03_group_size); the page still reads every claim")
     cmd.add_argument("--no-figures", action="store_true",
                      help="write the table only, no SVG figure per claim (the figures need "
                           "kaleido, the `figures` extra, and a Chrome or Chromium)")
@@ -264,7 +267,14 @@ def run_findings_command(args) -> int:
     if args.all:
         from labkit.lab.findings import run_claims
 
-        failed = run_claims(args.claims, args.root, smoke=args.smoke, workers=args.workers)
+        only = None if args.only is None else [s.strip() for s in args.only.split(",")
+                                                if s.strip()]
+        try:
+            failed = run_claims(args.claims, args.root, smoke=args.smoke, workers=args.workers,
+                                only=only)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
         if failed:
             print(f"error: {len(failed)} claim runs failed: {'; '.join(failed)}; the page is "
                   "written from the others", file=sys.stderr)

@@ -193,6 +193,12 @@ def test_findings_all_runs_each_claims_batches_until_it_is_decided(tmp_path, mon
     monkeypatch.setattr(labkit.lab.findings, "claim_verdict", lambda result: decided)
     assert in_process(*argv).returncode == 0
     assert ran == [(load_sweep(p).name, (0,)) for p in CLAIMS]  # decided at the first batch
+    ran.clear()
+    assert in_process(*argv, "--only", "03_group_size,01_cost").returncode == 0
+    assert ran == [("claim01_cost", (0,)), ("claim03_group_size", (0,))]
+    refused = in_process(*argv, "--only", "01_cost,3_group_size")
+    assert refused.returncode == 2 and "--only: no claim file 3_group_size" in refused.stderr
+    assert len(ran) == 2  # nothing ran
 
 
 def test_a_claim_is_read_at_each_look_of_its_plan_and_says_what_more_seeds_would_need():

@@ -598,12 +598,14 @@ def render(results: list[ClaimResult], commit: str | None, smoke: bool = False,
 
 
 def run_claims(claims_dir: str | Path = CLAIMS_DIR, root: str | Path | None = None,
-               smoke: bool = False, workers: int = 1) -> list[str]:
+               smoke: bool = False, workers: int = 1,
+               only: list[str] | None = None) -> list[str]:
     """Run every claim's sweep, batch by batch: a claim file's first seeds under `seeds:`
     are its batches, run in order until every claim the file answers is decided by its
-    preregistered plan (`claim_verdict`) or its batches are spent. Every claim file is
-    checked before the first run; finished runs are skipped, so the suite resumes. Returns
-    the ids of the runs that failed."""
+    preregistered plan (`claim_verdict`) or its batches are spent. `only` names the claim
+    files to run (their stems, such as "03_group_size"); the others are left as they are.
+    Every claim file is checked before the first run; finished runs are skipped, so the
+    suite resumes. Returns the ids of the runs that failed."""
     import dataclasses
 
     from labkit.lab.sweeps import load_sweep, run_sweep
@@ -611,6 +613,12 @@ def run_claims(claims_dir: str | Path = CLAIMS_DIR, root: str | Path | None = No
 
     root = Path(RUNS_ROOT if root is None else root)
     files = sorted(Path(claims_dir).glob("*.yaml"))
+    if only is not None:
+        unknown = sorted(set(only) - {f.stem for f in files})
+        if unknown:
+            raise ValueError(f"--only: no claim file {', '.join(unknown)} in {claims_dir} "
+                             f"(the files are {', '.join(f.stem for f in files)})")
+        files = [f for f in files if f.stem in only]
     sweeps = [(f, load_sweep(f, smoke=smoke)) for f in files]  # every claim checked first
     failed = []
     for file, sweep in sweeps:
