@@ -40,9 +40,15 @@ from labkit import losses
 GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "none")
 """The baselines every run reports: `none` is r itself (no baseline), the others are names
 of `labkit.advantages.ESTIMATORS`."""
-CRITIC_ROWS = ("ppo_critic", "ppo_gae")
+CRITIC_ROWS = ("ppo_critic", "ppo_gae", "ppo_critic_v0")
 """Gradient rows that exist only with a critic: its value as a baseline on every token
-(GAE with lambda = 1), and GAE with the run's gamma and lambda (as PPO trains)."""
+(GAE with lambda = 1), GAE with the run's gamma and lambda (as PPO trains), and its value at
+the prompt V_0 as one baseline for the whole completion (the baseline whose error against
+V* `baseline_mse/ppo_critic` measures, so that row's MSE and gradient are of one baseline)."""
+BASELINE_SCALES = (0.0, 0.25, 0.5, 0.75, 1.0)
+"""The scale sweep: the baseline c x (group mean), from no baseline (c = 0) to GRPO's (c = 1).
+The gradient is linear in the advantages, so each c's gradient is (1 - c) g_none + c g_grpo
+of the same batch: the sweep costs no backward pass."""
 MODES = ("raw", "trained")
 """raw: no std scaling, no whitening; trained: the advantages as the run computes them."""
 
@@ -110,7 +116,55 @@ def advantage_rows(draw: Draw, group_size: int, config, *,
             a, _ = adv.gae(token_rewards, draw.values, mask, gamma=config.gamma, lam=lam)
             rows[(name, "raw")] = a
             rows[(name, "trained")] = adv.whiten(a, mask) if config.whiten_advantages else a
+        a0 = (r - draw.values[:, 0].detach().float())[:, None] * mask  # (N, T) r - V_0
+        rows[("ppo_critic_v0", "raw")] = a0
+        rows[("ppo_critic_v0", "trained")] = adv.whiten(a0, mask) \
+            if config.whiten_advantages else a0
     return rows
+
+
+def prompt_rows(prompts: int, group_size: int) -> dict[tuple[str, int], Tensor]:
+    """One row per prompt q, advantage 1 on q's G completions and 0 elsewhere: its gradient
+    h_q is what a baseline b_q of prompt q takes away, so a per-prompt baseline b gives
+    g(r - b) = g(r) - sum_q b_q h_q (the surrogate is linear in the advantages)."""
+    eye = torch.eye(prompts).repeat_interleave(group_size, dim=1)  # (B, N)
+    return {("prompt", q): eye[q] for q in range(prompts)}
+
+
+def optimal_baseline(g_none: Tensor, per_prompt: Tensor, reference: Tensor,
+                     v: Tensor) -> dict:
+    """The per-prompt baseline b (B,) that brings the batch gradients nearest the reference,
+    min_b sum_k ||g_none,k - H_k^T b - g*||^2 (H_k (B, P) the batch's per-prompt gradients
+    `prompt_rows`), fitted by least squares on one half of the K batches and judged on the
+    other (two-fold cross-fitting, so its error is not fitted to the batches that judge it).
+    g_none (K, P), per_prompt (K, B, P), reference (P,), v (B,) the prompts' V*.
+
+    Returns the held-out gradients (K, P), the baseline (B,) (mean of the two fits), its
+    slope on V* (least squares; None when V* is the same for every prompt) and its
+    intercept: slope 1 and intercept 0 is the textbook b = V*, slope 0 a baseline of no use.
+    """
+    K, B = per_prompt.shape[:2]
+    ref = reference.double()
+    g = [g_none[k].double() for k in range(K)]
+    H = lambda k: per_prompt[k].double()  # (B, P), one batch at a time in float64
+    folds = ([k for k in range(K) if k % 2 == 0], [k for k in range(K) if k % 2 == 1])
+    held, fits = torch.empty_like(g_none), []
+    for fit, judge in (folds, folds[::-1]):
+        gram = sum(H(k) @ H(k).T for k in fit)  # (B, B)
+        target = sum(H(k) @ (g[k] - ref) for k in fit)  # (B,)
+        ridge = 1e-9 * gram.diagonal().mean().clamp(min=1e-300) * torch.eye(
+            B, dtype=gram.dtype, device=gram.device)
+        b = torch.linalg.solve(gram + ridge, target)
+        for k in judge:
+            held[k] = (g[k] - H(k).T @ b).to(held.dtype)
+        fits.append(b)
+    b = (fits[0] + fits[1]) / 2
+    x = v.double().cpu()
+    vx = ((x - x.mean()) ** 2).sum()
+    slope = float(((x - x.mean()) * (b.cpu() - b.mean().cpu())).sum() / vx) if vx > 0 else None
+    intercept = None if slope is None else float(b.mean().cpu() - slope * x.mean())
+    return {"gradients": held, "baseline": b.cpu(), "slope": slope,
+            "intercept": intercept}
 
 
 def _mask(draw: Draw, n: int, t: int) -> Tensor:
@@ -233,8 +287,11 @@ def gradient_noise(grads: Tensor, reference: Tensor) -> dict:
     mean = g.mean(0)
     mean_cos = float(mean @ ref / (mean.norm() * ref_norm)) if mean.norm() > 0 and ref_norm > 0 \
         else None
+    err = ((g - ref) ** 2).sum(1) / (ref_norm ** 2) if ref_norm > 0 else None  # (K,)
     return {"rel_var": rel, "rel_var_se": rel_se, "cos": float(cos.mean()),
-            "cos_se": float(cos.std(correction=1) / math.sqrt(K)), "mean_cos": mean_cos}
+            "cos_se": float(cos.std(correction=1) / math.sqrt(K)), "mean_cos": mean_cos,
+            "error": None if err is None else float(err.mean()),
+            "error_se": None if err is None else float(err.std(correction=1) / math.sqrt(K))}
 
 
 def _seed(seed: int, k: int) -> int:
@@ -262,10 +319,19 @@ def measure(sampler: Sampler, params: Sequence[Tensor], config, *, group_size: i
     g_ref = surrogate_gradients(ref.logp(), ref.mask, ref_rows, params, **agg)[key]
     del ref
     grads, base, B = {}, {}, v.shape[0]
+    per_prompt = None  # (K, B, P): each batch's per-prompt gradients, for the optimal baseline
+    optimal = "none" in estimators and "grpo" in estimators
     for k in range(batches):
         d = sampler(group_size, _seed(seed, k + 1))
         rows = advantage_rows(d, group_size, config, estimators=estimators)
+        if optimal:
+            rows.update(prompt_rows(B, group_size))
         for row, g in surrogate_gradients(d.logp(), d.mask, rows, params, **agg).items():
+            if row[0] == "prompt":
+                if per_prompt is None:
+                    per_prompt = g.new_empty(batches, B, g.numel())
+                per_prompt[k, row[1]] = g
+                continue
             if row not in grads:
                 grads[row] = g.new_empty(batches, g.numel())  # (K, P)
             grads[row][k] = g
@@ -292,7 +358,36 @@ def measure(sampler: Sampler, params: Sequence[Tensor], config, *, group_size: i
                                 for (name, m) in noise if m == mode} for mode in MODES}
     record["grad_mean_cos"] = {mode: {name: noise[(name, m)]["mean_cos"]
                                       for (name, m) in noise if m == mode} for mode in MODES}
+    record["grad_error"] = {mode: {name: {"mean": noise[(name, m)]["error"],
+                                          "se": noise[(name, m)]["error_se"]}
+                                   for (name, m) in noise if m == mode} for mode in MODES}
+    if optimal:
+        record.update(_mechanism(grads[("none", "raw")], grads[("grpo", "raw")], per_prompt,
+                                 g_ref, base["grpo"], v, v_se))
     return record
+
+
+def _mechanism(g_none: Tensor, g_mean: Tensor, per_prompt: Tensor, g_ref: Tensor,
+               mean_baselines: Tensor, v: Tensor, v_se: Tensor) -> dict:
+    """Does a baseline make this task's gradient less noisy: the scale sweep (c x group mean,
+    `BASELINE_SCALES`) and the cross-fitted per-prompt optimal baseline (`optimal_baseline`),
+    each by gradient relative variance, cosine, plain error against the reference and (the
+    sweep) baseline MSE against V*. Raw advantages (no std scaling)."""
+    def figures(g: Tensor) -> dict:
+        n = gradient_noise(g, g_ref)
+        return {"rel_var": n["rel_var"], "cos": n["cos"], "error": n["error"],
+                "error_se": n["error_se"]}
+    sweep = {}
+    for c in BASELINE_SCALES:
+        e = baseline_error(c * mean_baselines, v, v_se)
+        sweep[f"{c:g}"] = {**figures((1 - c) * g_none + c * g_mean), "mse": e["mse"]}
+    fit = optimal_baseline(g_none, per_prompt, g_ref, v)
+    K, G = mean_baselines.shape[0], mean_baselines.shape[2]
+    e = baseline_error(fit["baseline"][None, :, None].expand(K, -1, G), v, v_se)
+    return {"baseline_scale": sweep,
+            "optimal_baseline": {**figures(fit["gradients"]), "mse": e["mse"],
+                                 "slope": fit["slope"], "intercept": fit["intercept"],
+                                 "baseline": fit["baseline"].tolist()}}
 
 
 def informative_share(rewards: Tensor, group_sizes: Sequence[int]) -> dict[int, dict]:
@@ -323,20 +418,32 @@ def informative_share(rewards: Tensor, group_sizes: Sequence[int]) -> dict[int, 
 
 def flat_metrics(record: dict) -> dict[str, float]:
     """The record's figures as flat floats for metrics.jsonl: `diag/baseline_mse/<e>`,
-    `diag/baseline_bias/<e>`, `diag/grad_rel_var/<e>` and `diag/grad_cos/<e>` (as trained),
-    `diag/grad_rel_var_raw/<e>` and `diag/grad_cos_raw/<e>` (raw), `diag/v_star_mean`.
-    Undefined figures (None) are left out."""
+    `diag/baseline_bias/<e>`, `diag/grad_rel_var/<e>`, `diag/grad_cos/<e>` and
+    `diag/grad_error/<e>` (as trained), the same three with `_raw` (raw), `diag/v_star_mean`;
+    the scale sweep's `diag/scale/<figure>/<c>` and the optimal baseline's
+    `diag/optimal/<figure>`. Undefined figures (None) are left out."""
     out = {"diag/v_star_mean": sum(record["v_star"]) / max(len(record["v_star"]), 1)}
     for field in ("baseline_mse", "baseline_bias"):
         for name, fig in record[field].items():
             out[f"diag/{field}/{name}"] = fig["mean"]
-    for field in ("grad_rel_var", "grad_cos"):
+    for field in ("grad_rel_var", "grad_cos", "grad_error"):
         for mode, suffix in (("trained", ""), ("raw", "_raw")):
-            for name, fig in record[field][mode].items():
+            for name, fig in record.get(field, {}).get(mode, {}).items():
                 out[f"diag/{field}{suffix}/{name}"] = fig["mean"]
+    for c, figs in record.get("baseline_scale", {}).items():
+        for fig in MECHANISM_FIGURES:
+            out[f"diag/scale/{fig}/{c}"] = figs[fig]
+    for fig in (*MECHANISM_FIGURES, "slope", "intercept"):
+        if "optimal_baseline" in record:
+            out[f"diag/optimal/{fig}"] = record["optimal_baseline"][fig]
     return {k: float(v) for k, v in out.items() if v is not None}
 
 
-__all__ = ["GROUP_ESTIMATORS", "CRITIC_ROWS", "MODES", "Draw", "Sampler", "group_baselines",
+MECHANISM_FIGURES = ("rel_var", "cos", "error", "mse")
+"""The figures of each baseline of the scale sweep and of the optimal baseline."""
+
+
+__all__ = ["GROUP_ESTIMATORS", "CRITIC_ROWS", "BASELINE_SCALES", "MECHANISM_FIGURES", "MODES",
+           "Draw", "prompt_rows", "optimal_baseline", "Sampler", "group_baselines",
            "raw_advantages", "advantage_rows", "surrogate_gradients", "v_star",
            "baseline_error", "gradient_noise", "measure", "flat_metrics", "informative_share"]

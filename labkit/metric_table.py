@@ -127,8 +127,8 @@ METRICS: dict[str, str] = {
 
 DIAG_BASELINES = ("grpo", "dr_grpo", "rloo", "none", "ppo_critic")
 """Baseline-error rows: the group estimators, none, and (PPO runs only) the critic's value."""
-DIAG_GRADIENTS = ("grpo", "dr_grpo", "rloo", "none", "ppo_critic", "ppo_gae")
-"""Gradient-noise rows; ppo_critic and ppo_gae exist only on a run with a critic."""
+DIAG_GRADIENTS = ("grpo", "dr_grpo", "rloo", "none", "ppo_critic", "ppo_gae", "ppo_critic_v0")
+"""Gradient-noise rows; the ppo_ rows exist only on a run with a critic."""
 _CRITIC_ONLY = " (PPO runs only: it needs the critic)"
 
 
@@ -144,11 +144,28 @@ def _diag_rows() -> dict[str, str]:
                 DIAG_GRADIENTS),
                ("grad_cos", "mean cosine of a batch's gradient (as trained) to the M-sample "
                 "reference gradient, for", DIAG_GRADIENTS),
-               ("grad_cos_raw", "grad_cos without std scaling or whitening, for", DIAG_GRADIENTS))
+               ("grad_cos_raw", "grad_cos without std scaling or whitening, for", DIAG_GRADIENTS),
+               ("grad_error", "mean over K batches of ||g - g*||^2 / ||g*||^2 (as trained), "
+                "g* the M-sample reference gradient, for", DIAG_GRADIENTS),
+               ("grad_error_raw", "grad_error without std scaling or whitening, for",
+                DIAG_GRADIENTS))
     for figure, text, names in figures:
         for name in names:
             tail = _CRITIC_ONLY if name.startswith("ppo_") else ""
             rows[f"diag/{figure}/{name}"] = f"diagnostics: {text} `{name}`{tail}"
+    words = {"rel_var": "gradient relative variance", "cos": "mean cosine to g*",
+             "error": "relative error ||g - g*||^2 / ||g*||^2", "mse": "baseline MSE against V*"}
+    for figure, text in words.items():
+        for c in (0.0, 0.25, 0.5, 0.75, 1.0):  # labkit.diagnostics.BASELINE_SCALES
+            rows[f"diag/scale/{figure}/{c:g}"] = (
+                f"diagnostics, the scale sweep: {text} with the baseline {c:g} x group mean, "
+                "raw advantages")
+        rows[f"diag/optimal/{figure}"] = (
+            f"diagnostics: {text} of the per-prompt optimal baseline (least squares against "
+            "g*, fitted on half the batches and judged on the other half)")
+    rows["diag/optimal/slope"] = ("diagnostics: slope of the per-prompt optimal baseline on "
+                                  "V* (1: the textbook b = V*; 0: a baseline of no use)")
+    rows["diag/optimal/intercept"] = "diagnostics: intercept of that fit"
     return rows
 
 

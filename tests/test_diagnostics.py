@@ -8,10 +8,11 @@ import math
 import pytest
 import torch
 
+from labkit import diagnostics
 from labkit.config import TrainConfig
-from labkit.diagnostics import (Draw, advantage_rows, baseline_error, flat_metrics,
-                                group_baselines, gradient_noise, measure, surrogate_gradients,
-                                v_star)
+from labkit.diagnostics import (BASELINE_SCALES, Draw, advantage_rows, baseline_error,
+                                flat_metrics, group_baselines, gradient_noise, measure,
+                                optimal_baseline, surrogate_gradients, v_star)
 
 # ----------------------------------------------------------------- a tabular softmax policy
 # B prompts, C possible completions per prompt; pi_b = softmax(theta_b); reward r[b, c] in
@@ -223,6 +224,69 @@ def test_gradient_noise_against_a_plain_loop():
     assert zero["rel_var"] is None and zero["cos"] == 0.0
 
 
+def test_the_critics_prompt_value_row_is_one_baseline_for_the_whole_completion():
+    gen = torch.Generator().manual_seed(4)
+    N, T = 8, 5
+    mask = torch.ones(N, T, dtype=torch.long)
+    mask[2, 3:] = 0
+    values = torch.randn(N, T, generator=gen)
+    draw = Draw(torch.randint(0, 2, (N,), generator=gen).float(), lambda: None, mask, values)
+    rows = advantage_rows(draw, 4, TrainConfig(whiten_advantages=False))
+    want = (draw.rewards - values[:, 0])[:, None].expand(N, T) * mask  # r - V_0 on every token
+    torch.testing.assert_close(rows[("ppo_critic_v0", "raw")], want)
+    # the baseline MSE row of the critic is that same V_0
+    assert torch.equal(group_baselines(draw.rewards, 4, values=values)["ppo_critic"],
+                       values[:, 0].double())
+
+
+def test_the_scale_sweep_and_the_optimal_baseline_against_their_own_gradients(one_thread):
+    policy = Tabular()
+    record = measure(policy.sample, [policy.theta], CONFIG, group_size=G, batches=40,
+                     samples=64, seed=2)
+    sweep = record["baseline_scale"]
+    assert set(sweep) == {f"{c:g}" for c in BASELINE_SCALES}
+    raw = record["grad_rel_var"]["raw"]
+    assert sweep["0"]["rel_var"] == pytest.approx(raw["none"]["mean"])
+    assert sweep["1"]["rel_var"] == pytest.approx(raw["grpo"]["mean"])
+    assert sweep["1"]["error"] == pytest.approx(record["grad_error"]["raw"]["grpo"]["mean"])
+    assert sweep["0"]["mse"] == pytest.approx(record["baseline_mse"]["none"]["mean"])
+    # c = 0.5 by its own backward passes, advantages r - 0.5 x group mean, on the same draws
+    ref = policy.sample(64, diagnostics._seed(2, 0))
+    g_ref = surrogate_gradients(ref.logp(), None, {"r": diagnostics.raw_advantages(
+        "rloo", ref.rewards, 64)}, [policy.theta], agg=CONFIG.agg)["r"]
+    half = []
+    for k in range(40):
+        d = policy.sample(G, diagnostics._seed(2, k + 1))
+        mean = d.rewards.view(-1, G).mean(1).repeat_interleave(G)
+        half.append(surrogate_gradients(d.logp(), None, {"h": d.rewards - 0.5 * mean},
+                                        [policy.theta], agg=CONFIG.agg)["h"])
+    plain = gradient_noise(torch.stack(half), g_ref)
+    for fig in ("rel_var", "cos", "error"):
+        assert sweep["0.5"][fig] == pytest.approx(plain[fig], rel=1e-4), fig
+    best = record["optimal_baseline"]
+    assert len(best["baseline"]) == LOGITS.shape[0] and best["error"] > 0
+
+
+def test_the_optimal_baseline_recovers_a_planted_one_and_judges_on_held_out_batches():
+    gen = torch.Generator().manual_seed(5)
+    K, B, P = 12, 4, 30
+    H = torch.randn(K, B, P, generator=gen, dtype=torch.float64)
+    ref = torch.randn(P, generator=gen, dtype=torch.float64)
+    v = torch.tensor([0.1, 0.4, 0.6, 0.9], dtype=torch.float64)
+    planted = 0.2 + 0.5 * v  # slope 0.5, intercept 0.2
+    g_none = ref + torch.einsum("kbp,b->kp", H, planted)
+    noisy = g_none + 1e-3 * torch.randn(K, P, generator=gen, dtype=torch.float64)
+    fit = optimal_baseline(noisy, H, ref, v)
+    torch.testing.assert_close(fit["baseline"], planted, atol=1e-3, rtol=0)
+    assert fit["slope"] == pytest.approx(0.5, abs=1e-3)
+    assert fit["intercept"] == pytest.approx(0.2, abs=1e-3)
+    # held-out: each batch judged with the baseline fitted on the other half only
+    from_odd = torch.linalg.lstsq(H[1::2].permute(0, 2, 1).reshape(-1, B),
+                              (noisy[1::2] - ref).reshape(-1)).solution  # fitted on odd k
+    torch.testing.assert_close(fit["gradients"][0], noisy[0] - H[0].T @ from_odd)
+    assert optimal_baseline(noisy, H, ref, torch.full((B,), 0.3))["slope"] is None
+
+
 # ---------------------------------------------------------------- the embedded model
 SMALL = dict(prompts=3, group_size=4, batches=3, samples=8, seed=0)
 
@@ -233,8 +297,8 @@ def check_record(record: dict, critic: bool) -> None:
     assert len(record["v_star"]) == len(record["v_star_se"]) == len(record["prompts"]) == B
     names = {"grpo", "dr_grpo", "rloo", "none"} | ({"ppo_critic"} if critic else set())
     assert set(record["baseline_mse"]) == set(record["baseline_bias"]) == names
-    rows = names | ({"ppo_gae"} if critic else set())
-    for field in ("grad_rel_var", "grad_cos"):
+    rows = names | ({"ppo_gae", "ppo_critic_v0"} if critic else set())
+    for field in ("grad_rel_var", "grad_cos", "grad_error"):
         assert set(record[field]) == {"raw", "trained"}
         for mode in ("raw", "trained"):
             assert set(record[field][mode]) == rows
@@ -245,6 +309,8 @@ def check_record(record: dict, critic: bool) -> None:
     assert all(math.isfinite(v) for v in flat.values())
     assert {f"diag/baseline_mse/{n}" for n in names} <= set(flat)
     assert "diag/grad_rel_var/none" in flat and "diag/grad_rel_var_raw/none" in flat
+    assert {f"diag/scale/error/{c:g}" for c in BASELINE_SCALES} <= set(flat)
+    assert {"diag/optimal/error", "diag/optimal/mse"} <= set(flat)
 
 
 def test_lm_path_without_a_critic(tiny):

@@ -92,7 +92,7 @@ def test_page_from_finished_runs(finished):
     assert seven.endswith("**supported** |") and "| 3 (5) |" in seven
     (one,) = [line for line in glance.splitlines() if line.startswith("| 1.")]
     assert "memory_ratio (ppo vs grpo) above 1.25" in one and "not measured yet" in one
-    assert "python -m labkit sweep experiments/claims/07_fixture.yaml" in text
+    assert "python -m labkit findings --all --only 07_fixture" in text
     assert "1.00 h of training runs' wall time, 90 min elapsed" in text
     assert "The whole suite took 1.50 h of wall time (2 sweeps" in text
 
@@ -217,8 +217,9 @@ def test_the_page_decides_a_claim_from_its_per_seed_csv_once_its_runs_are_gone(f
     findings.write_findings(out, claims, root)
     record = out.with_suffix("") / "07_fixture.csv"
     header, first = record.read_text().splitlines()[:2]
-    assert header.startswith("sweep_run,arm,seed,commit,cpu,torch,gain")
-    assert first.startswith("seed=0,grpo,0,,AVX2,,0.4")  # the run's CPU from its config.json
+    assert header.startswith("sweep_run,arm,seed,commit,cpu,torch,sweep_s,gain")
+    # the run's CPU from its config.json, its notebook's wall time from papermill
+    assert first.startswith("seed=0,grpo,0,,AVX2,,5400.0,0.4")
 
     def glance_line(text):
         return next(line for line in text.split("## Every finding")[0].splitlines()
@@ -230,3 +231,40 @@ def test_the_page_decides_a_claim_from_its_per_seed_csv_once_its_runs_are_gone(f
     shutil.rmtree(root / "claim_fixture")  # the runs are gone; the CSV stays
     findings.write_findings(out, claims, root)
     assert glance_line(out.read_text()).split(" | ")[4:] == before.split(" | ")[4:]
+    assert "1 of 1 runs finished" in out.read_text() and "90 min elapsed" in out.read_text()
+
+
+def test_a_replication_is_read_once_at_its_fresh_seeds_beside_the_original(finished):
+    claims, root, out = finished
+    fixture = claims / "07_fixture.yaml"
+    fixture.write_text(fixture.read_text().replace('    finding: "clear"\n',
+                                                   "    compare: [grpo, ppo]\n")
+                       .replace("seeds: [0]\n", "seeds: [0]\nreplication: [100]\n"))
+    assert load_sweep(fixture).replication == [100]
+    for first, gains in ((0, [(0.40, 0.30)] * 5), (100, [(0.30, 0.31), (0.32, 0.30),
+                                                         (0.29, 0.30), (0.31, 0.31),
+                                                         (0.30, 0.29)])):
+        run = root / "claim_fixture" / f"seed={first}"
+        run.mkdir(parents=True, exist_ok=True)
+        summary = {"description": "fixture"}
+        for s, (a, b) in enumerate(gains, first):
+            summary |= {f"grpo/seed={s}/seed": s, f"grpo/seed={s}/gain": a + 0.001 * (s % 7),
+                        f"ppo/seed={s}/seed": s, f"ppo/seed={s}/gain": b}
+        (run / "summary.json").write_text(json.dumps(summary))
+        (run / "notebook.ipynb").write_text(json.dumps(
+            {"metadata": {"papermill": {"duration": 60}}}))
+    findings.write_findings(out, claims, root)
+    glance = out.read_text().split("## Every finding")[0]
+    original, again = [line for line in glance.splitlines() if line.startswith("| 7")]
+    assert original.startswith("| 7. the fixture's claim") and "**supported**" in original
+    assert again.startswith("| 7, replicated at fresh seeds (first seed 100)")
+    assert "look 1 of 1" in again and "**inconclusive at this budget**" in again
+    assert "| 5 (5) |" in again
+    rows = (out.with_suffix("") / "07_fixture-replication.csv").read_text().splitlines()
+    assert len(rows) == 11 and all(r.split(",")[2] in {str(s) for s in range(100, 105)}
+                                   for r in rows[1:])
+    assert "- claim 7 (replication):" in out.read_text()
+    # a replication's seeds must lie apart from the original's, and it needs a claim
+    fixture.write_text(fixture.read_text().replace("replication: [100]", "replication: [2]"))
+    with pytest.raises(ValueError, match="seeds \\+ replication"):
+        load_sweep(fixture)

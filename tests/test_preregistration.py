@@ -131,7 +131,7 @@ def test_records_of_a_summary_and_their_csv_round_trip(tmp_path):
                         "collapsed": 1}]
     path = findings.write_records(records, tmp_path / "claim.csv")
     assert path.read_text().splitlines()[0] == \
-        "sweep_run,arm,seed,commit,cpu,torch,collapsed,gain"
+        "sweep_run,arm,seed,commit,cpu,torch,sweep_s,collapsed,gain"
     assert findings.read_records(path) == records
 
 
@@ -187,12 +187,20 @@ def test_findings_all_runs_each_claims_batches_until_it_is_decided(tmp_path, mon
     assert done.returncode == 0, done.stderr
     batches = [(load_sweep(p).name, tuple(load_sweep(p).seeds[:k]))
                for p in CLAIMS for k in range(1, len(load_sweep(p).seeds) + 1)]
-    assert ran == batches and ("claim02_baselines", (0, 5)) in ran
+    again = {load_sweep(p).name: (load_sweep(p).name, tuple(load_sweep(p).replication))
+             for p in CLAIMS if load_sweep(p).replication}
+    assert set(again) == {"claim02_baselines", "variants"}
+    # each file's batches, then its replication right after its last batch
+    order = [b for i, b in enumerate(batches)
+             for b in [b] + ([again[b[0]]] if b[0] in again and (
+                 i + 1 == len(batches) or batches[i + 1][0] != b[0]) else [])]
+    assert ran == order and ("claim02_baselines", (0, 5)) in ran
     ran.clear()
     decided = findings.ClaimVerdict("t", "f", stats.SUPPORTED)
     monkeypatch.setattr(labkit.lab.findings, "claim_verdict", lambda result: decided)
     assert in_process(*argv).returncode == 0
-    assert ran == [(load_sweep(p).name, (0,)) for p in CLAIMS]  # decided at the first batch
+    assert ran == [b for p in CLAIMS for b in [(load_sweep(p).name, (0,))] + (
+        [again[load_sweep(p).name]] if load_sweep(p).name in again else [])]  # decided at once
     ran.clear()
     assert in_process(*argv, "--only", "03_group_size,01_cost").returncode == 0
     assert ran == [("claim01_cost", (0,)), ("claim03_group_size", (0,))]
@@ -232,3 +240,25 @@ def test_batches_of_paired_seeds_may_not_overlap(tmp_path):
         else:
             with pytest.raises(ValueError, match="must lie at least 5 apart"):
                 load_sweep(path)
+
+
+def test_a_ratio_within_each_run_is_decided_from_the_per_seed_record():
+    """Claim 2: the critic's gradient relative variance over rloo's, both measured in the
+    same PPO run, one ratio per seed; log-ratio t over seeds at the plan's looks."""
+    critic = [0.50, 0.55, 0.45, 0.52, 0.48, 0.51, 0.47, 0.53, 0.49, 0.50]
+    rloo = [0.60, 0.62, 0.58, 0.61, 0.57, 0.59, 0.60, 0.63, 0.58, 0.61]
+    records = [{"sweep_run": "seed=0", "arm": "ppo", "seed": s,
+                "diag.grad_rel_var_raw.ppo_critic": c, "diag.grad_rel_var_raw.rloo": r}
+               for s, (c, r) in enumerate(zip(critic, rloo))]
+    result = _result({"measure": "grad_rel_var_ratio", "direction": "above",
+                      "threshold": 2.7, "seeds": 10}, [])
+    result.records = records
+    decided = findings.claim_verdict(result)
+    plan = findings.plan_of(preregistration.check(result.claim, "x"))
+    want = stats.ratio_interval(critic[:5], rloo[:5], plan.confidence(0, "above"))
+    assert decided.verdict == stats.REFUTED and "look 1 of 2" in decided.figure
+    assert f"ppo: ppo_critic / rloo {want.format(2)}" in decided.figure
+    result.records = records[:3]  # short of the first look
+    assert findings.claim_verdict(result).verdict == stats.INCONCLUSIVE
+    result.records = [{k: v for k, v in r.items() if "rloo" not in k} for r in records]
+    assert findings.claim_verdict(result).figure == findings.NOT_MEASURED  # no such figure

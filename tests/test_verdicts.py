@@ -189,6 +189,24 @@ def test_diagnostic_findings_take_the_critic_over_the_group_per_run():
     assert trained.threshold == pytest.approx(1 / 0.37)
     assert mse.interval.mean == pytest.approx(0.5) and mse.verdict == stats.REFUTED
     assert questions.diagnostic_findings(rows[:1], histories) == []  # one run: no interval
+    # the same baseline by both measures, and the mechanism, once the runs measured them
+    more = {"diag/grad_rel_var_raw/ppo_critic_v0": (1.0, 2.0, 4.0),
+            "diag/baseline_mse/rloo": (0.1, 0.1, 0.1),
+            "diag/scale/error/0": (0.4, 0.5, 0.6), "diag/scale/error/0.25": (0.2, 0.25, 0.3),
+            "diag/scale/error/0.5": (0.4, 0.5, 0.6), "diag/scale/error/1": (0.8, 1.0, 1.2),
+            "diag/optimal/error": (0.1, 0.125, 0.15), "diag/optimal/slope": (0.1, 0.2, 0.3)}
+    for k, run in enumerate(rows):
+        histories[run["run"]][-1].update({key: v[k] for key, v in more.items()})
+    found = questions.diagnostic_findings(rows, histories)
+    assert len(found) == 6 + 2 + 5
+    v0, v0_mse, quarter, half, whole, best, slope = found[6:]
+    assert "63%" in v0.question and v0.interval.mean == pytest.approx(4.0)  # 2 / rloo 0.5
+    assert v0_mse.interval.mean == pytest.approx(0.5) and v0_mse.verdict == stats.REFUTED
+    assert quarter.interval.mean == pytest.approx(0.5) and quarter.verdict == stats.SUPPORTED
+    assert half.interval.mean == pytest.approx(1.0) and half.direction == "below"
+    assert whole.interval.mean == pytest.approx(2.0) and whole.verdict == stats.REFUTED
+    assert best.interval.mean == pytest.approx(0.25)
+    assert slope.interval.mean == pytest.approx(0.2) and slope.verdict == stats.REFUTED
 
 
 def test_answer_asks_the_chosen_questions_and_refuses_others():

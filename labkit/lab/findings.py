@@ -49,11 +49,23 @@ class ClaimResult:
     """The per-seed record: one row per training run (sweep run, arm, seed and every figure
     its notebook summarised), from the finished runs or, without them, the claim file's CSV
     (`write_records`)."""
+    replication: tuple[int, ...] = ()
+    """For the replication of a claim (its file's `replication:` seeds, never run for the
+    original): those first seeds; () for the original."""
+    looks: tuple[int, ...] | None = None
+    """The looks the claim is read at where not its plan's (`plan_of`): a replication is
+    read once, at all its seeds."""
+
+    @property
+    def record_name(self) -> str:
+        """The per-seed CSV's file name: <claim file>.csv, <claim file>-replication.csv."""
+        return f"{self.file.stem}{'-replication' * bool(self.replication)}.csv"
 
 
-RECORD_KEYS = ("sweep_run", "arm", "seed", "commit", "cpu", "torch")
+RECORD_KEYS = ("sweep_run", "arm", "seed", "commit", "cpu", "torch", "sweep_s")
 """The first columns of a per-seed record (the training code's commit, the CPU's model and
-kernel capability, torch's version); the figures follow in name order."""
+kernel capability, torch's version, the wall time of its sweep run's notebook); the figures
+follow in name order."""
 
 
 def _configs(run_path: Path) -> list[dict]:
@@ -220,23 +232,67 @@ def collect(claims_dir: str | Path = CLAIMS_DIR, root: str | Path | None = None,
                       if key.endswith("/wall_s") and isinstance(v, (int, float))))
                  for run in done]
         # the per-seed record of the file's runs, shared by every claim it answers
-        records = [{**r, **_run_facts(run.path)} for run in done
+        records = [{**r, **_run_facts(run.path), "sweep_s": round(elapsed, 1)}
+                   for run, (_, elapsed, _) in zip(done, facts)
                    for r in records_of(run.summary, run.id)]
         for claim in sweep.claims:
             result = ClaimResult(file, claim, runs_done=len(done), runs_total=len(runs),
                                  records=list(records))
-            stored = Path(records_dir) / f"{file.stem}.csv" if records_dir else None
-            if not done and stored is not None and stored.is_file():
-                result.records = read_records(stored)
-            for run, ((kinds, commits), elapsed, compute) in zip(done, facts):
-                result.rows += [finding_row(run.summary, k, run.id)
-                                for k in selected(run.summary, claim.get("findings"))]
-                result.machines |= kinds
-                result.commits |= commits
-                result.compute_s += compute
-                result.elapsed_s += elapsed
+            _finish(result, done, facts, records_dir)
             results.append(result)
-    return sorted(results, key=lambda r: r.claim.get("id", 0))
+        if sweep.replication:
+            results += _replications(file, sweep, root, records_dir)
+    return sorted(results, key=lambda r: (r.claim.get("id", 0), bool(r.replication)))
+
+
+def _finish(result: ClaimResult, done: list, facts: list, records_dir) -> None:
+    """Fill a claim's findings, machines, commits and times from its finished runs, and its
+    record from its CSV where no run is there."""
+    stored = Path(records_dir) / result.record_name if records_dir else None
+    if not done and stored is not None and stored.is_file():
+        result.records = read_records(stored)
+    for run, ((kinds, commits), elapsed, compute) in zip(done, facts):
+        result.rows += [finding_row(run.summary, k, run.id)
+                        for k in selected(run.summary, result.claim.get("findings"))]
+        result.machines |= kinds
+        result.commits |= commits
+        result.compute_s += compute
+        result.elapsed_s += elapsed
+    if not done and result.records:  # the CSV says where and how long its runs ran
+        result.commits |= {c for r in result.records for c in str(r.get("commit", "")
+                                                                    ).split(" + ") if c}
+        result.elapsed_s = sum({r["sweep_run"]: r.get("sweep_s", 0.0)
+                                for r in result.records}.values())
+        result.compute_s = sum(r.get("wall_s", 0.0) for r in result.records)
+        result.runs_done = len({r["sweep_run"] for r in result.records})
+
+
+def _replications(file: Path, sweep, root: Path, records_dir) -> list[ClaimResult]:
+    """The claims of a file run again at its `replication:` first seeds: each read once, at
+    all the seeds those runs train."""
+    import dataclasses
+
+    from labkit.lab.sweeps import plan
+
+    again = dataclasses.replace(sweep, seeds=list(sweep.replication))
+    runs = plan(again, root)
+    done = [run for run in runs if run.status == "done"]
+    facts = [(_machines(run.path), _duration(run.path),
+              sum(v for key, v in run.summary.items()
+                  if key.endswith("/wall_s") and isinstance(v, (int, float)))) for run in done]
+    records = [{**r, **_run_facts(run.path), "sweep_s": round(elapsed, 1)}
+               for run, (_, elapsed, _) in zip(done, facts)
+               for r in records_of(run.summary, run.id)]
+    out = []
+    for claim in sweep.claims:
+        result = ClaimResult(file, claim, runs_done=len(done), runs_total=len(runs),
+                             records=list(records), replication=tuple(sweep.replication))
+        _finish(result, done, facts, records_dir)
+        seeds = {(r["arm"], r["seed"]) for r in result.records}
+        per_arm = max([sum(1 for a, _ in seeds if a == arm) for arm, _ in seeds], default=0)
+        result.looks = (max(per_arm, 2),)
+        out.append(result)
+    return out
 
 
 def selected(summary: dict, wanted: list | None) -> list[int]:
@@ -276,7 +332,7 @@ def table_rows(results: list[ClaimResult]) -> list[dict]:
     row that says so."""
     out = []
     for r in results:
-        head = f"{r.claim.get('id', '?')}. {r.claim.get('statement', '')}"
+        head = claim_title(r)
         source, machine = r.claim.get("source", ""), "; ".join(sorted(r.machines)) or "-"
         if not r.rows:
             out.append(dict.fromkeys(COLUMNS, "") | {
@@ -321,8 +377,9 @@ def claim_verdict(result: ClaimResult) -> ClaimVerdict:
 
     prereg = preregistration.check(result.claim, result.file.name, check_arms=False)
     test = prereg.describe()
-    if prereg.measure in PER_SEED_MEASURES and prereg.compare and result.records:
-        decided = _from_records(prereg, result.records)
+    within = PER_SEED_MEASURES.get(prereg.measure, ("", 0, ""))[2] == "within"
+    if prereg.measure in PER_SEED_MEASURES and (prereg.compare or within) and result.records:
+        decided = _from_records(prereg, result.records, result.looks)
         if decided is not None:
             figure, verdict, more = decided
             return ClaimVerdict(test, figure, verdict, more)
@@ -356,9 +413,13 @@ PER_SEED_MEASURES = {"gain": ("gain", 100.0, "difference"),
                      "final_length": ("length_final", 1.0, "difference"),
                      "memory_ratio": ("mem_mb", 1.0, "ratio"),
                      "step_time_ratio": ("step_s", 1.0, "ratio"),
-                     "collapse_difference": ("collapsed", 1.0, "binary")}
+                     "collapse_difference": ("collapsed", 1.0, "binary"),
+                     "grad_rel_var_ratio": (("diag.grad_rel_var_raw.ppo_critic",
+                                             "diag.grad_rel_var_raw.rloo"), 1.0, "within")}
 """The primary measures a claim's per-seed record decides: measure -> (the record's
-figure, its scale (gain in points), how two arms compare)."""
+figure, its scale (gain in points), how two arms compare); a "within" measure is the ratio
+of two figures of one run (numerator, denominator), over the seeds of the compared arm (or
+of the record's one arm)."""
 
 
 def _table(records: list[dict], key: str, scale: float) -> dict[str, dict[int, float]]:
@@ -375,18 +436,22 @@ def _arm(table: dict, name: str) -> str | None:
     return next((a for a in table if a == name or a.endswith("/" + name)), None)
 
 
-def plan_of(prereg) -> stats.SequentialPlan:
+def plan_of(prereg, looks: tuple[int, ...] | None = None) -> stats.SequentialPlan:
     """The looks a claim is read at: every 5 seeds up to the seeds it plans (5, 10 for 10),
-    the error rate spent over them (`stats.SequentialPlan`)."""
-    looks = tuple(range(5, prereg.seeds, 5)) + (prereg.seeds,)
+    the error rate spent over them (`stats.SequentialPlan`); `looks` where given instead."""
+    if looks is None:
+        looks = tuple(range(5, prereg.seeds, 5)) + (prereg.seeds,)
     return stats.SequentialPlan(looks)
 
 
-def _from_records(prereg, records: list[dict]) -> tuple[str, str, str] | None:
+def _from_records(prereg, records: list[dict], looks: tuple[int, ...] | None = None
+                  ) -> tuple[str, str, str] | None:
     """(figure, verdict, what more seeds would do) of the primary measure from the per-seed
     record, read at each look of the claim's plan that its seeds reach and stopped at the
     first decided one; None where the record lacks the compared arms."""
     key, scale, kind = PER_SEED_MEASURES[prereg.measure]
+    if kind == "within":
+        return _within(prereg, records, *key, looks=looks)
     table = _table(records, key, scale)
     base = _arm(table, prereg.compare[1])
     every = prereg.compare[0] == "all"
@@ -395,7 +460,7 @@ def _from_records(prereg, records: list[dict]) -> tuple[str, str, str] | None:
         return None
     arms = list(table) if every else [base, arm]
     seeds = sorted(set.intersection(*(set(table[a]) for a in arms)))
-    plan = plan_of(prereg)
+    plan = plan_of(prereg, looks)
     if len(seeds) < plan.looks[0]:
         return (f"{len(seeds)} shared seeds, short of the first look's {plan.looks[0]}",
                 stats.INCONCLUSIVE, "")
@@ -417,6 +482,37 @@ def _from_records(prereg, records: list[dict]) -> tuple[str, str, str] | None:
         needed = stats.seeds_needed(interval, prereg.threshold)
         more = f"about {needed} seeds" if needed else ""
     return f"{figure}; {look}", verdict, more
+
+
+def _within(prereg, records: list[dict], top: str, bottom: str,
+            looks: tuple[int, ...] | None = None) -> tuple[str, str, str] | None:
+    """A ratio of two figures of each run (`top` / `bottom`), over seeds: the log-ratio t
+    interval, read at the looks of the claim's plan. The arm is the compared one, or the
+    record's only arm; None where the record lacks the figures."""
+    arms = sorted({r["arm"] for r in records if top in r and bottom in r})
+    arm = prereg.compare[0] if prereg.compare else (arms[0] if len(arms) == 1 else None)
+    pairs = {r["seed"]: (r[top], r[bottom]) for r in records
+             if r["arm"] == arm and top in r and bottom in r}
+    if arm is None or not pairs:
+        return None
+    seeds = sorted(pairs)
+    plan = plan_of(prereg, looks)
+    if len(seeds) < plan.looks[0]:
+        return (f"{len(seeds)} seeds, short of the first look's {plan.looks[0]}",
+                stats.INCONCLUSIVE, "")
+
+    def read(n: int, k: int) -> tuple[str, tuple[str, stats.Interval]]:
+        first = seeds[:n]
+        interval = stats.ratio_interval([pairs[s][0] for s in first],
+                                        [pairs[s][1] for s in first],
+                                        plan.confidence(k, prereg.direction))
+        return prereg.decide(interval), (f"{arm}: {top.split('.')[-1]} / "
+                                         f"{bottom.split('.')[-1]} {interval.format(2)}",
+                                         interval)
+
+    k, verdict, (figure, interval) = plan.run(len(seeds), read)
+    return (f"{figure}; {plan.looks[k]} seeds, look {k + 1} of {len(plan.looks)} at "
+            f"{100 * interval.confidence:.2f}% ({interval.method})", verdict, "")
 
 
 def _pair(kind: str, a: list[float], b: list[float], level: float,
@@ -489,14 +585,26 @@ def glance_rows(results: list[ClaimResult]) -> list[dict]:
             per_arm.setdefault(record["arm"], set()).add(record["seed"])
         seeds = max([len(v) for v in per_arm.values()] + [row["seeds"] for row in r.rows],
                     default=0)
-        out.append({"claim": f"{r.claim.get('id', '?')}. {r.claim.get('statement', '')}",
-                    "the article says": r.claim["preregistered"]["article"],
+        planned = r.looks[-1] if r.looks else r.claim["preregistered"]["seeds"]
+        out.append({"claim": claim_title(r),
+                    "the article says": "(as above)" if r.replication
+                    else r.claim["preregistered"]["article"],
                     "preregistered test": decided.test,
-                    "seeds (planned)": f"{seeds} ({r.claim['preregistered']['seeds']})",
+                    "seeds (planned)": f"{seeds} ({planned})",
                     "decisive figure [CI]": decided.figure,
                     "80% power: effect / seeds": decided.mde or "-",
                     "verdict": decided.verdict})
     return out
+
+
+def claim_title(result: ClaimResult) -> str:
+    """'2. <statement>', or for a replication '2, replicated at fresh seeds (first seeds
+    100)'."""
+    number = result.claim.get("id", "?")
+    if result.replication:
+        firsts = ", ".join(str(s) for s in result.replication)
+        return f"{number}, replicated at fresh seeds (first seed{'s' * (len(result.replication) > 1)} {firsts})"
+    return f"{number}. {result.claim.get('statement', '')}"
 
 
 def figure_name(result: ClaimResult) -> str:
@@ -524,7 +632,7 @@ def write_figures(results: list[ClaimResult], folder: str | Path) -> dict[str, s
     folder.mkdir(parents=True, exist_ok=True)
     written = {}
     for r in results:
-        if not r.rows:
+        if not r.rows or r.replication:
             continue
         name = figure_name(r)
         fig = plots.finding_intervals(r.rows, title=f"claim {r.claim.get('id', '?')} "
@@ -550,8 +658,10 @@ def render(results: list[ClaimResult], commit: str | None, smoke: bool = False,
              "hand.", "",
              f"- page generated at commit `{commit or 'unknown'}`; each claim's runs name "
              "their own below",
-             f"- regenerate: `python -m labkit sweep experiments/claims/<file>{flag}` for each "
-             f"claim below, then `python -m labkit findings{flag}`", ""]
+             f"- regenerate: `python -m labkit findings --all{flag}` runs every claim "
+             "(skipping finished runs) and writes this page; `--only <file>` runs one claim "
+             "file; without `--all` the page is written from the finished runs and, for a "
+             "claim whose runs are gone, from its per-seed CSV under findings/", ""]
     lines += ["## Claims at a glance", "",
               "Each claim decided by its preregistered primary measure (the claim's "
               "`preregistered:` block, `labkit.lab.preregistration`); the findings below are "
@@ -582,7 +692,7 @@ def render(results: list[ClaimResult], commit: str | None, smoke: bool = False,
             lines += [f"### {title[0].upper()}{title[1:]}", "",
                       f"![{title}]({figures_dir}/{name})", ""]
     lines += ["", "## Commands and compute", ""]
-    sweeps = {r.file.name: r.elapsed_s for r in results}  # a file that answers two claims ran once
+    sweeps = {r.record_name: r.elapsed_s for r in results}  # a file answering two claims ran once
     lines += [f"The whole suite took {sum(sweeps.values()) / 3600:.2f} h of wall time "
               f"({len(sweeps)} sweeps, one after another, each running its training runs in "
               "parallel worker processes, on the machines named in the table).", ""]
@@ -590,8 +700,9 @@ def render(results: list[ClaimResult], commit: str | None, smoke: bool = False,
         hours = r.compute_s / 3600
         made = (f", made at commit{'s' * (len(r.commits) > 1)} {', '.join(sorted(r.commits))}"
                 if r.commits else "")
-        lines.append(f"- claim {r.claim.get('id', '?')}: `python -m labkit sweep "
-                     f"{CLAIMS_DIR.as_posix()}/{r.file.name}{flag}`; {r.runs_done} of "
+        again = " (replication)" if r.replication else ""
+        lines.append(f"- claim {r.claim.get('id', '?')}{again}: `python -m labkit findings "
+                     f"--all --only {r.file.stem}{flag}`; {r.runs_done} of "
                      f"{r.runs_total} runs finished{made}, {hours:.2f} h of training runs' "
                      f"wall time, {r.elapsed_s / 60:.0f} min elapsed")
     return "\n".join(lines) + "\n"
@@ -602,7 +713,8 @@ def run_claims(claims_dir: str | Path = CLAIMS_DIR, root: str | Path | None = No
                only: list[str] | None = None) -> list[str]:
     """Run every claim's sweep, batch by batch: a claim file's first seeds under `seeds:`
     are its batches, run in order until every claim the file answers is decided by its
-    preregistered plan (`claim_verdict`) or its batches are spent. `only` names the claim
+    preregistered plan (`claim_verdict`) or its batches are spent, then its `replication:`
+    batches, all of them. `only` names the claim
     files to run (their stems, such as "03_group_size"); the others are left as they are.
     Every claim file is checked before the first run; finished runs are skipped, so the
     suite resumes. Returns the ids of the runs that failed."""
@@ -626,9 +738,14 @@ def run_claims(claims_dir: str | Path = CLAIMS_DIR, root: str | Path | None = No
             runs = run_sweep(dataclasses.replace(sweep, seeds=sweep.seeds[:k]), root,
                              workers=workers)
             failed += [r.id for r in runs if r.status == "failed"]
-            answered = [r for r in collect(claims_dir, root, smoke) if r.file == file]
+            answered = [r for r in collect(claims_dir, root, smoke)
+                        if r.file == file and not r.replication]
             if all(claim_verdict(r).verdict != stats.INCONCLUSIVE for r in answered):
                 break
+        if sweep.replication:  # read once, at all its seeds: every batch runs
+            runs = run_sweep(dataclasses.replace(sweep, seeds=sweep.replication), root,
+                             workers=workers)
+            failed += [r.id for r in runs if r.status == "failed"]
     return failed
 
 
@@ -648,8 +765,8 @@ def write_findings(out: str | Path = FINDINGS_PAGE, claims_dir: str | Path = CLA
     out = Path(out)
     folder = out.with_suffix("")  # docs/findings/ beside docs/findings.md
     results = collect(claims_dir, root, smoke, records_dir=folder)
-    for result in {r.file: r for r in results if r.runs_done}.values():  # one per file
-        write_records(result.records, folder / f"{result.file.stem}.csv")
+    for result in {r.record_name: r for r in results if r.runs_done}.values():  # one per file
+        write_records(result.records, folder / result.record_name)
     drawn = None
     if figures:
         try:

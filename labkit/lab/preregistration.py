@@ -32,8 +32,10 @@ MEASURES = {
                     "baseline, tokens",
     "step_time_ratio": "time per step, arm / baseline, geometric mean over paired seeds",
     "memory_ratio": "peak process memory, arm / baseline, geometric mean over paired seeds",
-    "grad_rel_var_ratio": "policy-gradient relative variance with the group baseline / with "
-                          "the critic (docs/diagnostics.md)",
+    "grad_rel_var_ratio": "policy-gradient relative variance (raw advantages) with the "
+                          "trained critic / with the leave-one-out group baseline, per run at "
+                          "its last diagnostics, geometric mean over seeds "
+                          "(docs/diagnostics.md)",
     "informative_share_error": "observed share of informative groups minus the formula's "
                                "prediction 1 - p^G - (1-p)^G",
     "collapse_difference": "share of runs that collapsed, arm minus baseline, paired by seed",

@@ -186,7 +186,7 @@ def diagnostic_findings(rows: Sequence[dict],
     critic_err, rloo_err = ([error(r, k) for r in finals] for k in keys["cos"])
 
     relvar = "gradient relative variance"
-    return [
+    found = [
         finding(f"at step {first} the group mean is a cleaner baseline than the critic",
                 f"{relvar}, raw, critic / group mean", ratio("raw", 0), above=1.0),
         finding(f"at step {last} the group mean is a cleaner baseline than the critic",
@@ -204,6 +204,58 @@ def diagnostic_findings(rows: Sequence[dict],
                 "best-scaled error 1 - cos^2 against the many-sample gradient, critic / rloo",
                 stats.ratio_interval(critic_err, rloo_err, unit="runs"), above=1.0),
     ]
+    return found + _same_baseline_findings(finals, last) + _mechanism_findings(finals, last)
+
+
+def _same_baseline_findings(finals: Sequence[dict], last: int) -> list[Finding]:
+    """The critic judged as one baseline by both measures: its value at the prompt, V_0,
+    is what `baseline_mse/ppo_critic` compares with V*, and `ppo_critic_v0` is the gradient
+    of that same baseline on every token of the completion; against rloo's, both ways."""
+    keys = ("diag/grad_rel_var_raw/ppo_critic_v0", "diag/grad_rel_var_raw/rloo",
+            "diag/baseline_mse/ppo_critic", "diag/baseline_mse/rloo")
+    runs = [r for r in finals if all(k in r for k in keys)]
+    if len(runs) < 2:
+        return []
+    same = "the critic's prompt value V_0 as the baseline of the whole completion"
+    return [
+        finding(f"at step {last}, with one baseline for both measures ({same}), rloo gives "
+                "a gradient with 63% less variance than the critic",
+                "gradient relative variance, raw, critic V_0 / rloo",
+                stats.ratio_interval([r[keys[0]] for r in runs], [r[keys[1]] for r in runs],
+                                     unit="runs"), above=1 / 0.37),
+        finding(f"at step {last} rloo is nearer the true value than {same}",
+                "baseline MSE against V*, critic V_0 / rloo",
+                stats.ratio_interval([r[keys[2]] for r in runs], [r[keys[3]] for r in runs],
+                                     unit="runs"), above=1.0),
+    ]
+
+
+def _mechanism_findings(finals: Sequence[dict], last: int) -> list[Finding]:
+    """Why no baseline gave the least noisy gradient on this task: does subtracting c x the
+    group mean (the scale sweep) bring a batch gradient nearer the many-sample one than no
+    baseline, and does the per-prompt optimal baseline (least squares, cross-fitted) follow
+    the prompt's true value V* (slope 1) or stay near 0 (a baseline of little use)?"""
+    needed = ("diag/scale/error/0", "diag/optimal/error", "diag/optimal/slope")
+    runs = [r for r in finals if all(k in r for k in needed)]
+    if len(runs) < 2:
+        return []
+    none = [r["diag/scale/error/0"] for r in runs]
+    found = [finding(f"at step {last} subtracting {c} x the group mean brings the gradient "
+                     "nearer the true one than no baseline",
+                     f"relative error ||g - g*||^2 / ||g*||^2, {c} x mean / none",
+                     stats.ratio_interval([r[f"diag/scale/error/{c}"] for r in runs], none,
+                                          unit="runs"), below=1.0)
+             for c in ("0.25", "0.5", "1") if all(f"diag/scale/error/{c}" in r for r in runs)]
+    found.append(finding(
+        f"at step {last} the per-prompt optimal baseline brings the gradient nearer the true "
+        "one than no baseline", "relative error, optimal (cross-fitted) / none",
+        stats.ratio_interval([r["diag/optimal/error"] for r in runs], none, unit="runs"),
+        below=1.0))
+    found.append(finding(
+        f"at step {last} the per-prompt optimal baseline follows the prompt's true value "
+        "(the textbook b = V*: slope above 0.5)", "slope of the optimal baseline on V*",
+        stats.mean_interval([r["diag/optimal/slope"] for r in runs]), above=0.5))
+    return found
 
 
 def informative_findings(rows: Sequence[dict], histories: Mapping[str, Sequence[dict]],

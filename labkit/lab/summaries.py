@@ -97,7 +97,8 @@ def summary_rows(results: Mapping[str, RunResult]) -> list[dict]:
     the last fifth of the steps; missing keys left out), the area under the held-out
     accuracy curve (`accuracy_auc`), whether the run was found dead
     (`dead_run` 1 or 0; `dead_step`, the step it was found) and whether it collapsed
-    (`collapsed` 1 or 0; `collapse_step`, see `collapse_step`)."""
+    (`collapsed` 1 or 0; `collapse_step`, see `collapse_step`); for a run that measured
+    diagnostics, its last measurement (`diag_step`, and each `diag/a/b` as `diag.a.b`)."""
     rows = []
     for name, result in results.items():
         h, c = result.history, result.config
@@ -126,6 +127,11 @@ def summary_rows(results: Mapping[str, RunResult]) -> list[dict]:
         row["collapsed"] = int(collapsed is not None)
         if collapsed is not None:
             row["collapse_step"] = collapsed
+        measured = [r for r in h if "diag/v_star_mean" in r]
+        if measured:  # the last diagnostics, as diag.<figure>.<row> (no '/': a summary key)
+            row["diag_step"] = measured[-1]["step"]
+            row |= {"diag." + k.removeprefix("diag/").replace("/", "."): v
+                    for k, v in measured[-1].items() if k.startswith("diag/")}
         rows.append({k: v for k, v in row.items() if v is not None})
     return rows
 

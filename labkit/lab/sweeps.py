@@ -24,6 +24,8 @@ The YAML (its schema is repeated at the top of each file in experiments/):
                                  #   numbers, or words that a finding's question contains
       note: how to read it       #   optional, printed under the page's table
     claims: [{id: 4, ...}, ...]  # instead of claim: several claims answered by the same runs
+    replication: [100]           # claims only: first seeds of the claim's replication, the
+                                 #   same runs at seeds `seeds:` never reaches (not in smoke)
 
 Every value is checked against the notebook's parameters cell before any run starts.
 The run id is the grid values and the seed, `group_size=4,seed=1`, so it is the same on every
@@ -57,7 +59,7 @@ from labkit.lab.runner import (PARAMETERS_FILE, RUNNER_OWNED, RunFailed, check_c
                                read_parameter, read_summary, unknown_names)
 
 KEYS = ("notebook", "name", "parameters", "grid", "seeds", "resources", "smoke", "claim",
-        "claims")
+        "claims", "replication")
 RESOURCE_KEYS = ("cpus", "gpus")
 BACKENDS = ("local", "ray")
 SMOKE_KEYS = ("parameters", "grid", "seeds")
@@ -80,6 +82,9 @@ class Sweep:
     """experiments/claims/: the claims the sweep tests (labkit.lab.findings); [] otherwise."""
     resources: dict = field(default_factory=lambda: {"cpus": 1, "gpus": 0})
     """What one run needs, {"cpus": c, "gpus": g}: the Ray backend's task resources."""
+    replication: list[int] = field(default_factory=list)
+    """A claim's `replication:` first seeds: the same sweep again at seeds its `seeds:` never
+    reach, read as the claim's replication (labkit.lab.findings); [] for none and in smoke."""
 
 
 @dataclass
@@ -157,6 +162,13 @@ def load_sweep(path: str | Path, smoke: bool = False) -> Sweep:
             preregistration.check(claim, where, arms, check_arms=not smoke)
     checked.claims = claims
     checked.resources = _resources(spec.get("resources") or {}, where)
+    again = spec.get("replication") or []
+    if again and not smoke:
+        if not claims:
+            raise ValueError(f"{where}: replication: re-runs a claim; this sweep has none")
+        both = _checked(Sweep(notebook, name, parameters, grid, [*seeds, *again]),
+                        f"{where}: seeds + replication")
+        checked.replication = both.seeds[len(checked.seeds):]
     return checked
 
 
