@@ -11,7 +11,7 @@ import pytest
 
 from labkit import stats
 from labkit.__main__ import main
-from labkit.lab import findings, verdicts
+from labkit.lab import findings, questions, verdicts
 from labkit.lab.sweeps import load_sweep
 
 REPO = Path(__file__).resolve().parents[1]
@@ -191,9 +191,15 @@ def test_a_factorial_claims_smoke_sweep_feeds_two_claims(tmp_path):
     four = [row["question"] for row in results[4].rows]
     eight = [row["question"] for row in results[8].rows]
     assert four and all("fewer runs collapse" in q or "gains more" in q for q in four)
-    words = ("warns of a collapse", "fires before", "stays quiet")
+    words = ("warns of a collapse", "fires before", "stays quiet", "(threshold sweep)")
     assert eight and all(any(w in q for w in words) for q in eight)
     assert any(q.startswith("eval/cgc>=0.15") for q in eight)
+    # the threshold sweep comes from the per-seed record, which the CSV keeps
+    swept = [q for q in eight if q.endswith("(threshold sweep)")]
+    if any(r["collapsed"] for r in results[8].records) and \
+            not all(r["collapsed"] for r in results[8].records):
+        assert len(swept) == len(questions.monitor_rules())
+    assert all(f"fires.{rule}" in results[8].records[0] for rule in questions.monitor_rules())
     page = findings.write_findings(tmp_path / "findings.md", claims, root, smoke=True)
     every = page.read_text().split("## Every finding")[1]
     rows = [line for line in every.splitlines() if line.startswith(("| 4.", "| 8."))]

@@ -254,3 +254,23 @@ def test_arm_rows_report_collapse_apart_from_learning_and_the_area_under_the_cur
                "eval/accuracy": 0.4}, {"step": 30, "eval/accuracy": 0.4}]
     assert accuracy_auc(history) == pytest.approx((10 * 0.3 + 20 * 0.4) / 30)
     assert accuracy_auc(history[:2]) is None
+
+
+def test_the_monitor_threshold_sweep_reads_first_fires_from_the_per_seed_record():
+    history = [{"step": s, "adv/gav": g} for s, g in enumerate(
+        [0.1, 0.35, 0.35, 0.35, 0.35, 0.35, 0.45, 0.45, 0.45, 0.45, 0.45, 0.1])]
+    fires = questions.first_fires(history, ["adv/gav>0.3 for 5", "adv/gav>0.4 for 5",
+                                            "adv/gav>0.5 for 5"])
+    assert fires == {"adv/gav>0.3 for 5": 5, "adv/gav>0.4 for 5": 10, "adv/gav>0.5 for 5": -1}
+    rule = "adv/gav>0.3 for 5"
+    # collapsing runs: fired at 5 before a collapse at 20 (warned), at 30 after it (not)
+    records = [{"collapsed": 1, "collapse_step": 20, f"fires.{rule}": 5},
+               {"collapsed": 1, "collapse_step": 20, f"fires.{rule}": 30},
+               {"collapsed": 1, "collapse_step": 20, f"fires.{rule}": 19},
+               {"collapsed": 0, f"fires.{rule}": -1}, {"collapsed": 0, f"fires.{rule}": 7},
+               {"collapsed": 0, f"fires.{rule}": -1}, {"collapsed": 0, f"fires.{rule}": -1}]
+    (found,) = questions.swept_monitor_findings(records)  # rules the record lacks: left out
+    assert found.question.startswith(rule) and "warns of a collapse" not in found.question
+    assert found.interval.mean == pytest.approx(2 / 3 - 1 / 4)
+    assert "2/1 of collapsing runs, 1/3 of the others" in found.note
+    assert set(questions.monitor_rules()) >= set(questions.MONITORS)  # the articles' lines

@@ -232,9 +232,7 @@ def collect(claims_dir: str | Path = CLAIMS_DIR, root: str | Path | None = None,
                       if key.endswith("/wall_s") and isinstance(v, (int, float))))
                  for run in done]
         # the per-seed record of the file's runs, shared by every claim it answers
-        records = [{**r, **_run_facts(run.path), "sweep_s": round(elapsed, 1)}
-                   for run, (_, elapsed, _) in zip(done, facts)
-                   for r in records_of(run.summary, run.id)]
+        records = _records(done, facts, _watches(sweep))
         for claim in sweep.claims:
             result = ClaimResult(file, claim, runs_done=len(done), runs_total=len(runs),
                                  records=list(records))
@@ -243,6 +241,48 @@ def collect(claims_dir: str | Path = CLAIMS_DIR, root: str | Path | None = None,
         if sweep.replication:
             results += _replications(file, sweep, root, records_dir)
     return sorted(results, key=lambda r: (r.claim.get("id", 0), bool(r.replication)))
+
+
+def _watches(sweep) -> bool:
+    """Whether a claim of the sweep is about the monitors (its record then carries when each
+    rule of the threshold sweep first fired)."""
+    return any((c.get("preregistered") or {}).get("measure") == "monitor_youden"
+               for c in sweep.claims)
+
+
+def _records(done: list, facts: list, monitors: bool) -> list[dict]:
+    """The per-seed record of finished sweep runs: each training run's figures, where it
+    ran (`_run_facts`), its sweep run's wall time and, with `monitors`, the step each rule
+    of `questions.MONITOR_SWEEP` first fired (`fires.<rule>`, -1: never)."""
+    out = []
+    for run, (_, elapsed, _) in zip(done, facts):
+        fires = _fire_steps(run.path) if monitors else {}
+        out += [{**r, **_run_facts(run.path), "sweep_s": round(elapsed, 1),
+                 **fires.get((r["arm"], r["seed"]), {})}
+                for r in records_of(run.summary, run.id)]
+    return out
+
+
+def _fire_steps(run_path: Path) -> dict[tuple[str, int], dict[str, int]]:
+    """(arm, seed) -> {fires.<rule>: first step} from each training run's metrics.jsonl
+    (a training run's folder is <arm>-seed<seed>)."""
+    from labkit.lab import questions
+    from labkit.rundir import read_metrics
+
+    rules = questions.monitor_rules()
+    out = {}
+    for config in sorted(run_path.glob("*/config.json")):
+        try:
+            seed = int(json.loads(config.read_text(encoding="utf-8"))["config"]["seed"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        arm, _, tail = config.parent.name.rpartition("-seed")
+        if not arm or tail != str(seed):
+            continue
+        history = read_metrics(config.parent / "metrics.jsonl")
+        out[(arm, seed)] = {f"fires.{rule}": step
+                            for rule, step in questions.first_fires(history, rules).items()}
+    return out
 
 
 def _finish(result: ClaimResult, done: list, facts: list, records_dir) -> None:
@@ -265,6 +305,12 @@ def _finish(result: ClaimResult, done: list, facts: list, records_dir) -> None:
                                 for r in result.records}.values())
         result.compute_s = sum(r.get("wall_s", 0.0) for r in result.records)
         result.runs_done = len({r["sweep_run"] for r in result.records})
+    if (result.claim.get("preregistered") or {}).get("measure") == "monitor_youden":
+        from labkit.lab import questions, verdicts
+
+        swept = verdicts.findings_summary(questions.swept_monitor_findings(result.records))
+        result.rows += [finding_row(swept, k, "per-seed record")
+                        for k in _finding_numbers(swept)]
 
 
 def _replications(file: Path, sweep, root: Path, records_dir) -> list[ClaimResult]:
@@ -280,9 +326,7 @@ def _replications(file: Path, sweep, root: Path, records_dir) -> list[ClaimResul
     facts = [(_machines(run.path), _duration(run.path),
               sum(v for key, v in run.summary.items()
                   if key.endswith("/wall_s") and isinstance(v, (int, float)))) for run in done]
-    records = [{**r, **_run_facts(run.path), "sweep_s": round(elapsed, 1)}
-               for run, (_, elapsed, _) in zip(done, facts)
-               for r in records_of(run.summary, run.id)]
+    records = _records(done, facts, _watches(sweep))
     out = []
     for claim in sweep.claims:
         result = ClaimResult(file, claim, runs_done=len(done), runs_total=len(runs),

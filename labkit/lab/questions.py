@@ -7,6 +7,7 @@ prediction. `answer` asks the ones a notebook's `questions` parameter names.
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Mapping, Sequence
 
@@ -126,6 +127,55 @@ def monitor_findings(rows: Sequence[dict], histories: Mapping[str, Sequence[dict
                                  "share of the other runs where it fired (false alarms)",
                                  stats.proportion_interval(sum(false), len(false)),
                                  below=0.5))
+    return found
+
+
+MONITOR_SWEEP = {"adv/gav>{} for 5": (0.2, 0.3, 0.4, 0.5, 0.6),
+                 "clip/total>{} for 5": (0.05, 0.1, 0.2, 0.3),
+                 "policy/entropy<{} for 5": (0.5, 1, 1.5, 2),
+                 "eval/cgc>={}": (0.05, 0.1, 0.15, 0.2, 0.3)}
+"""Each monitor of MONITORS at a range of thresholds around the articles' line: is the
+line where the warning works best, or would another one do better? Context, not the claim."""
+
+
+def monitor_rules() -> list[str]:
+    """Every rule of MONITOR_SWEEP, as stop-rule text."""
+    return [text.format(t) for text, values in MONITOR_SWEEP.items() for t in values]
+
+
+def first_fires(history: Sequence[dict], rules: Sequence[str]) -> dict[str, int]:
+    """The step at which each rule first fires on `history`, -1 where it never does."""
+    from labkit import stops
+
+    out = {}
+    for text in rules:
+        watch = stops.StopRules(stops.parse(text))
+        out[text] = next((int(r.get("step", 0)) for r in history
+                          if watch.update(r) is not None), -1)
+    return out
+
+
+def swept_monitor_findings(records: Sequence[dict]) -> list[Finding]:
+    """Youden's J of every rule of MONITOR_SWEEP from the per-seed record: per run its
+    `collapsed`, `collapse_step` and `fires.<rule>` (`first_fires`); a collapsing run counts
+    as warned when the rule fired at a step before its collapse, another run as a false
+    alarm when it fired at all (as `monitor_findings` reads the histories)."""
+    found = []
+    for text in monitor_rules():
+        key = f"fires.{text}"
+        runs = [r for r in records if key in r and "collapsed" in r]
+        sick = [r for r in runs if r["collapsed"]]
+        well = [r for r in runs if not r["collapsed"]]
+        if not sick or not well:
+            continue
+        hit = sum(1 for r in sick if 0 <= r[key] < r.get("collapse_step", math.inf))
+        alarm = sum(1 for r in well if r[key] >= 0)
+        found.append(finding(
+            f"{text} separates the runs that collapse from the others (threshold sweep)",
+            "Youden's J: share fired before a collapse - share fired on the other runs",
+            stats.proportion_difference(hit, len(sick), alarm, len(well)), above=0.0,
+            note=f"fired/not: {hit}/{len(sick) - hit} of collapsing runs, "
+                 f"{alarm}/{len(well) - alarm} of the others"))
     return found
 
 
