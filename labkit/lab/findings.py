@@ -745,10 +745,13 @@ def render(results: list[ClaimResult], commit: str | None, smoke: bool = False,
         made = (f", made at commit{'s' * (len(r.commits) > 1)} {', '.join(sorted(r.commits))}"
                 if r.commits else "")
         again = " (replication)" if r.replication else ""
+        where = "; ".join(sorted({f"{rec['cpu']}, torch {rec.get('torch', '?')}"
+                                  for rec in r.records if rec.get("cpu")}))
         lines.append(f"- claim {r.claim.get('id', '?')}{again}: `python -m labkit findings "
                      f"--all --only {r.file.stem}{flag}`; {r.runs_done} of "
                      f"{r.runs_total} runs finished{made}, {hours:.2f} h of training runs' "
-                     f"wall time, {r.elapsed_s / 60:.0f} min elapsed")
+                     f"wall time, {r.elapsed_s / 60:.0f} min elapsed"
+                     + (f", on {where}" if where else ""))
     return "\n".join(lines) + "\n"
 
 
