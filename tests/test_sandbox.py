@@ -4,9 +4,10 @@ Every escape test checks three things: the program scores 0, the sandbox says it
 it, and the machine is as before (no marker file, no live process, no connection, the
 victim still alive). Each has a negative control: the same attempt run without the sandbox
 (a plain `python -c` in a temporary directory) does leave its trace, which proves the test
-would notice an escape. The escape tests run twice: with every layer this machine offers,
-and with the in-process audit hook alone (no unshare, no change of user), since that is
-all a root caller gets where unshare and an interpreter readable by "nobody" are missing.
+would notice an escape. The escape tests run twice: with every layer this machine offers
+(the jail, where it starts: tests/test_jail.py tests it alone, without the hook), and with
+the in-process audit hook alone (no unshare, no change of user), which a caller gets only
+by opting in (`LABKIT_SANDBOX=hook-only`).
 """
 
 import glob
@@ -49,6 +50,7 @@ def layers(request, monkeypatch):
     if request.param == "audit hook only":
         plain = launch.Launch((), None, os.geteuid(), False)
         monkeypatch.setattr(launch, "launcher", lambda python: plain)
+        monkeypatch.setenv("LABKIT_SANDBOX", "hook-only")  # the opt-in it needs
     return request.param
 
 
@@ -82,10 +84,13 @@ def _processes_with_home(home: str) -> list[int]:
 def _blocked(code: str, layers: str) -> sandbox.ExecResult:
     """Run a program that must be refused; its tests would pass if it got that far. With
     the audit hook alone the hook must refuse it (status "blocked"); with all layers the
-    kernel may refuse first (a PermissionError for an unprivileged user), which also
-    contains it."""
+    kernel may refuse first (a PermissionError, or behind the jail a path that is not there
+    or is read-only), which also contains it."""
     result = run_program(code, "pass", **FAST)
-    kernel_said_no = result.status == "error" and "PermissionError" in result.detail
+    # behind the jail, the kernel refuses (EPERM), or the path is not there or read-only
+    kernel_said_no = result.status == "error" and any(
+        word in result.detail for word in ("PermissionError", "FileNotFoundError",
+                                           "Read-only file system"))
     assert result.status == "blocked" or (layers == "all layers" and kernel_said_no), \
         (result.status, result.detail, result.stderr[-500:])
     assert code_reward([f"```python\n{code}\n```"], tests=[["pass"]], **FAST) == [0.0]
@@ -260,9 +265,12 @@ def test_root_runs_programs_as_nobody_when_the_interpreter_allows_it():
     if info["uid"] != sandbox.SANDBOX_UID:
         pytest.skip(f"uid {sandbox.SANDBOX_UID} cannot run {python} here")
     code = "import os, socket\nIDS = (os.getuid(), os.geteuid(), os.getgroups())\n" \
-           "NAMES = [name for _, name in socket.if_nameindex()]"
+           "try:\n    NAMES = [name for _, name in socket.if_nameindex()]\n" \
+           "except PermissionError:\n    NAMES = 'no sockets'\n"
     tests = ["assert IDS == (65534, 65534, []), IDS"]
-    if info["network_namespace"]:
+    if info["boundary"]:  # behind the jail a program cannot even open a socket
+        tests.append("assert NAMES == 'no sockets', NAMES")
+    elif info["network_namespace"]:
         tests.append("assert NAMES == ['lo'], NAMES")
     result = run_program(code, tests, python=python)
     assert result.passed, (result.detail, result.stderr[-500:])

@@ -92,7 +92,7 @@ def _workers(workers) -> int:
 
 def run_program(code: str, tests: str | Sequence[str], *, timeout: float = DEFAULT_TIMEOUT,
                 memory_mb: int = DEFAULT_MEMORY_MB, cpu_s: float | None = None,
-                python: str | None = None) -> ExecResult:
+                python: str | None = None, sandbox: str | None = None) -> ExecResult:
     """Run `code`, then each test of `tests` in the program's namespace, in a sandboxed
     interpreter (see the module docstring); return what happened as an ExecResult.
 
@@ -102,11 +102,18 @@ def run_program(code: str, tests: str | Sequence[str], *, timeout: float = DEFAU
     wall-clock limit in seconds, `memory_mb` the address-space limit in MiB, `cpu_s` the CPU
     limit (default: the timeout). `python` is the interpreter to run (default: this one);
     only its standard library is used. Bad arguments raise ValueError naming the argument.
+
+    `sandbox`: "boundary" (the default, or LABKIT_SANDBOX) runs programs behind the
+    operating system's boundary and raises RuntimeError, saying what is missing, where this
+    machine has none; "hook-only" accepts the audit hook alone there, with a warning.
     """
     if not isinstance(code, str):
         raise ValueError(f"code must be a string of Python, got {type(code).__name__}")
-    return launch.run(code, _test_sources(tests), check_limits(timeout, memory_mb, cpu_s),
-                      python or sys.executable)
+    limits = check_limits(timeout, memory_mb, cpu_s)
+    tests = _test_sources(tests)
+    python = python or sys.executable
+    launch.require_boundary(python, sandbox)
+    return launch.run(code, tests, limits, python)
 
 
 def extract_code(text: str) -> str:
@@ -124,7 +131,7 @@ def extract_code(text: str) -> str:
 def code_reward(completions: Sequence, tests: Sequence | None = None, *,
                 timeout: float = DEFAULT_TIMEOUT, memory_mb: int = DEFAULT_MEMORY_MB,
                 cpu_s: float | None = None, workers: int = 1, python: str | None = None,
-                **kwargs) -> list[float]:
+                sandbox: str | None = None, **kwargs) -> list[float]:
     """Code reward: r_i = 1.0 if the program in completion_i passes every test of tests_i
     in the sandbox, else 0.0 (failed, error, timeout, memory or blocked).
 
@@ -137,6 +144,8 @@ def code_reward(completions: Sequence, tests: Sequence | None = None, *,
     Bad completions never raise: None, empty or non-string completions score 0.0. Bad tests
     do raise ValueError before anything runs: `tests` missing, a length that differs from
     `completions`, or an entry that is empty or does not compile (the message names it).
+    Where this machine has no operating-system boundary, RuntimeError before anything runs
+    unless `sandbox="hook-only"` (see `run_program`).
     """
     per_completion(tests, "tests", completions,
                    missing="code_reward needs the test cases as the keyword `tests` (one entry "
@@ -145,6 +154,7 @@ def code_reward(completions: Sequence, tests: Sequence | None = None, *,
     cases = [_test_sources(t, f"tests[{i}]") for i, t in enumerate(tests)]
     limits = check_limits(timeout, memory_mb, cpu_s)
     python = python or sys.executable
+    launch.require_boundary(python, sandbox)
 
     def score(i: int) -> float:
         text = completion_text(completions[i])
@@ -158,27 +168,33 @@ def code_reward(completions: Sequence, tests: Sequence | None = None, *,
 
 def make_code_reward(*, timeout: float = DEFAULT_TIMEOUT, memory_mb: int = DEFAULT_MEMORY_MB,
                      cpu_s: float | None = None, workers: int = 1,
-                     python: str | None = None) -> Callable[..., list[float]]:
+                     python: str | None = None,
+                     sandbox: str | None = None) -> Callable[..., list[float]]:
     """`code_reward` with its settings fixed, for `GRPOTrainer(reward_funcs=...)`, which
     passes only the completions and the dataset's columns. Named `code_reward`, the name
     TRL logs it under. The settings are checked now."""
     check_limits(timeout, memory_mb, cpu_s)
     _workers(workers)
+    launch.require_boundary(python or sys.executable, sandbox)
 
     def bound_code_reward(completions: Sequence, tests: Sequence | None = None, **kwargs):
         return code_reward(completions, tests, timeout=timeout, memory_mb=memory_mb,
-                           cpu_s=cpu_s, workers=workers, python=python, **kwargs)
+                           cpu_s=cpu_s, workers=workers, python=python, sandbox=sandbox,
+                           **kwargs)
 
     bound_code_reward.__name__ = bound_code_reward.__qualname__ = "code_reward"
     return bound_code_reward
 
 
 def isolation(python: str | None = None) -> dict:
-    """What the kernel adds around the programs on this machine, for `python` (default: this
-    interpreter): the uid they run as and whether they get their own network namespace.
-    Found once per interpreter by trying the strongest setup first."""
-    way = launch.launcher(python or sys.executable)
-    return {"python": python or sys.executable, "uid": way.uid,
+    """What stands around the programs on this machine, for `python` (default: this
+    interpreter): whether they run behind the operating system's boundary (and if not,
+    why), the layers in force, the uid they run as and whether they get their own network
+    namespace. Found once per interpreter by trying the strongest setup first."""
+    python = python or sys.executable
+    way = launch.launcher(python)
+    return {"python": python, "boundary": way.boundary, "layers": list(way.layers),
+            "reason": launch.jail_reason(python), "uid": way.uid,
             "network_namespace": way.network_namespace}
 
 

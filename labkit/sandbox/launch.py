@@ -1,14 +1,18 @@
 """Starting the sandboxed interpreter and collecting what it did.
 
-One run: a fresh temporary working directory; the strongest way to start the interpreter
-that this machine allows (`launcher`); the child (`labkit.sandbox.child`, compiled once per
-interpreter) and its job written to its stdin; stdout, stderr and the report pipe read
-until it exits or the wall-clock deadline passes; its process group killed; the verdict
-(`labkit.sandbox.verdict`); the working directory removed.
+One run: the strongest way to start the interpreter that this machine allows (`launcher`):
+behind the kernel's boundary (`jail.c`, built on first use: namespaces, a read-only view of
+the interpreter, a tmpfs work folder, no capabilities, seccomp) where the machine lets it,
+else with what the older layers give in a fresh temporary working directory; the child
+(`labkit.sandbox.child`, compiled once per interpreter) and its job written to its stdin;
+stdout, stderr and the report pipe read until it exits or the wall-clock deadline passes;
+its process group killed; the verdict (`labkit.sandbox.verdict`); the working directory
+removed.
 """
 
 from __future__ import annotations
 
+import hashlib
 import marshal
 import math
 import numbers
@@ -22,6 +26,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from functools import lru_cache
+from pathlib import Path
 
 from labkit.sandbox import policy
 from labkit.sandbox.verdict import OUTPUT_LIMIT, REPORT_LIMIT, ExecResult, text, verdict
@@ -35,6 +40,21 @@ SANDBOX_UID = 65534  # "nobody": the user a root caller's programs run as, when 
 CHILD_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "child.py")
 # what `python -c` runs in the child: the compiled child.py, then the job, on stdin
 CHILD_STUB = "import marshal, sys; exec(marshal.load(sys.stdin.buffer))"
+JAIL_SOURCE = Path(__file__).resolve().parent / "jail.c"
+JAIL_WORKDIR = "/work"  # the program's tmpfs working folder inside the jail
+WORK_MB = 64  # its size: everything a program writes, together
+SYSTEM_READ_ONLY = ("/usr", "/lib", "/lib64", "/lib32", "/bin", "/sbin")
+"""What the jail shows a program besides the interpreter's own prefix, all read-only: the
+system's programs and shared libraries (on merged-/usr systems /lib, /bin are links)."""
+BOUNDARY_LAYERS = ("user namespace (uid 65534, no other ids)",
+                   "mount namespace: read-only system and interpreter folders, nothing else",
+                   "pid namespace", "network namespace (no interfaces)", "IPC namespace",
+                   "UTS namespace", "cgroup namespace", f"tmpfs work folder ({WORK_MB} MiB)",
+                   "no capabilities, no_new_privs", "seccomp filter", "rlimits", "audit hook")
+"""The layers in force behind the jail (docs/sandbox.md)."""
+HOOK_ONLY = "hook-only"
+"""The opt-in to run programs behind the audit hook (and rlimits) alone, where no
+operating-system boundary can be set up: `sandbox="hook-only"` or LABKIT_SANDBOX=hook-only."""
 
 
 @dataclass(frozen=True)
@@ -50,12 +70,31 @@ class Limits:
 class Launch:
     """How to start the interpreter: a command that wraps it (unshare), the user Popen
     switches to (or None), the uid the program runs as, and whether it has its own network
-    namespace."""
+    namespace; `jail`, the boundary's binary (`jail.c`), when it runs behind it."""
 
     prefix: tuple[str, ...]
     popen_user: int | None
     uid: int
     network_namespace: bool
+    jail: str | None = None
+
+    @property
+    def boundary(self) -> bool:
+        """Whether the program runs behind the operating system's boundary."""
+        return self.jail is not None
+
+    @property
+    def layers(self) -> tuple[str, ...]:
+        """What stands around a program started this way."""
+        if self.jail:
+            return BOUNDARY_LAYERS
+        found = ["new session and process group", "empty environment",
+                 "temporary working folder", "rlimits", "audit hook"]
+        if self.network_namespace:
+            found.insert(0, "network namespace")
+        if self.uid != os.geteuid():
+            found.insert(0, f"uid {self.uid}")
+        return tuple(found)
 
 
 def check_limits(timeout, memory_mb, cpu_s) -> Limits:
@@ -83,12 +122,16 @@ def child_env(workdir: str) -> dict[str, str]:
 
 
 def candidates() -> list[Launch]:
-    """Ways to start a child, strongest first. As root: a network namespace and uid 65534,
+    """Ways to start a child, strongest first: behind the jail where it builds (a Linux
+    machine with a C compiler). Then, as root: a network namespace and uid 65534,
     then uid 65534 alone (Popen drops it), then a network namespace as root. Otherwise: a
     user and network namespace (`unshare --map-current-user`). Last, a plain process."""
     unshare = shutil.which("unshare", path="/usr/bin:/bin")
     me = os.geteuid()
     options = []
+    jail = jail_binary()
+    if jail is not None:
+        options.append(Launch((), None, SANDBOX_UID, True, jail))
     if me == 0:
         if unshare:
             options.append(Launch((unshare, "--net", f"--setgid={SANDBOX_UID}",
@@ -113,13 +156,145 @@ def works(launch: Launch, python: str) -> bool:
     """Whether `python` starts this way and runs as the expected uid (an unprivileged user
     cannot run an interpreter installed under a private home directory, for instance)."""
     try:
-        done = subprocess.run([*launch.prefix, python, "-I", "-S", "-c",
+        done = subprocess.run([*command(launch, python, ()), "-c",
                                "import os; print(os.geteuid())"],
                               capture_output=True, text=True, cwd="/", env=child_env("/"),
                               timeout=30, **popen_user(launch))
     except (OSError, subprocess.SubprocessError):
         return False
+    if launch.jail and done.returncode != 0:
+        _jail_failures[python] = (done.stderr.strip().splitlines() or [""])[-1]
     return done.returncode == 0 and done.stdout.strip() == str(launch.uid)
+
+
+_jail_failures: dict[str, str] = {}
+
+
+def command(launch: Launch, python: str, keep_fds: tuple[int, ...]) -> list[str]:
+    """The command line up to the interpreter's flags: the jail with what it shows the
+    program (`--ro`) and the file descriptors it keeps, or the launch's prefix."""
+    if not launch.jail:
+        return [*launch.prefix, python, "-I", "-S", "-B"]
+    executable, prefix = interpreter(python)
+    shown = [p for p in SYSTEM_READ_ONLY if os.path.lexists(p)]
+    if not any(prefix == p or prefix.startswith(p + "/") for p in shown):
+        shown.append(prefix)
+    argv = [launch.jail, "--work-mb", str(WORK_MB)]
+    for path in shown:
+        argv += ["--ro", path]
+    for fd in keep_fds:
+        argv += ["--keep-fd", str(fd)]
+    return [*argv, "--", executable, "-I", "-S", "-B"]
+
+
+@lru_cache(maxsize=None)
+def interpreter(python: str) -> tuple[str, str]:
+    """`python`'s real executable and real base prefix (a virtual environment's
+    interpreter is a link into its base installation, which holds the standard library)."""
+    done = subprocess.run([python, "-I", "-S", "-c", "import os, sys; print(os.path.realpath("
+                           "sys.executable)); print(os.path.realpath(sys.base_prefix))"],
+                          capture_output=True, text=True, cwd="/", env=child_env("/"),
+                          timeout=30, check=True)
+    executable, prefix = done.stdout.splitlines()[:2]
+    return executable, prefix
+
+
+_jail_reason: str | None = None
+
+
+@lru_cache(maxsize=None)
+def jail_binary() -> str | None:
+    """The jail (jail.c), compiled on first use into the labkit cache folder (like the
+    kernels of labkit.fast); None off Linux, without a C compiler or where it fails to
+    build (`jail_reason()` says which)."""
+    global _jail_reason
+    import platform
+    import sys
+
+    if os.environ.get("LABKIT_JAIL", "1").strip().lower() in ("0", "false", "off", "no"):
+        _jail_reason = "turned off by LABKIT_JAIL"
+        return None
+    if not sys.platform.startswith("linux") or platform.machine() not in ("x86_64", "aarch64"):
+        _jail_reason = f"the jail is for Linux on x86-64 or aarch64, this is {sys.platform} " \
+                       f"on {platform.machine()}"
+        return None
+    from labkit.fast import kernels
+
+    compiler = kernels._compiler()
+    if compiler is None:
+        _jail_reason = "no C compiler (CC, cc, gcc or clang) to build the jail"
+        return None
+    source = JAIL_SOURCE.read_bytes()
+    key = hashlib.sha256(source + compiler.encode()).hexdigest()[:16]
+    target = kernels.cache_dir().parent / "sandbox" / f"labkit-jail-{key}"
+    if target.exists():
+        return str(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    scratch = target.with_suffix(f".{os.getpid()}.tmp")
+    try:
+        done = subprocess.run([compiler, "-O2", "-o", str(scratch), str(JAIL_SOURCE)],
+                              capture_output=True, text=True, timeout=120)
+        if done.returncode != 0:
+            last = (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
+            _jail_reason = f"{compiler} failed to build jail.c: {last}"
+            return None
+        os.chmod(scratch, 0o755)
+        os.replace(scratch, target)
+    except (OSError, subprocess.SubprocessError) as e:
+        _jail_reason = f"could not build jail.c: {e}"
+        return None
+    finally:
+        if scratch.exists():
+            scratch.unlink()
+    return str(target)
+
+
+SANDBOXES = ("boundary", HOOK_ONLY)
+_warned_hook_only = False
+
+
+def require_boundary(python: str, sandbox: str | None) -> None:
+    """Stop, with one line saying what is missing, where programs of `python` would run
+    without the operating system's boundary, unless the caller opted in to the audit hook
+    alone (`sandbox="hook-only"`, or LABKIT_SANDBOX=hook-only), which warns once per
+    process. `sandbox` None reads LABKIT_SANDBOX (default "boundary")."""
+    global _warned_hook_only
+    import sys
+    import warnings
+
+    chosen = sandbox if sandbox is not None else \
+        os.environ.get("LABKIT_SANDBOX", "").strip() or "boundary"
+    if chosen not in SANDBOXES:
+        where = "sandbox" if sandbox is not None else "LABKIT_SANDBOX"
+        raise ValueError(f"{where} must be one of {', '.join(SANDBOXES)}, got {chosen!r}")
+    if launcher(python).boundary:
+        return
+    if chosen == HOOK_ONLY:
+        if not _warned_hook_only:
+            _warned_hook_only = True
+            warnings.warn("labkit.sandbox: model-written programs run behind the in-process "
+                          f"audit hook alone, no operating-system boundary "
+                          f"({jail_reason(python)}): a hostile program can get out",
+                          RuntimeWarning, stacklevel=3)
+        return
+    raise RuntimeError(
+        f"labkit.sandbox: no operating-system boundary for model-written programs here: "
+        f"{jail_reason(python)}. It needs Linux (x86-64 or aarch64) with unprivileged user "
+        "namespaces and a C compiler (cc, gcc or clang; or CC) to build labkit's jail; "
+        "sandbox='hook-only' or LABKIT_SANDBOX=hook-only runs programs behind the audit hook "
+        f"alone (not a boundary; docs/sandbox.md). Python: {python}" + (
+            "" if sys.platform.startswith("linux") else
+            ". macOS and Windows are not supported yet"))
+
+
+def jail_reason(python: str) -> str | None:
+    """Why programs of `python` do not run behind the jail, or None where they do."""
+    launch = launcher(python)
+    if launch.jail:
+        return None
+    if jail_binary() is None:
+        return _jail_reason
+    return _jail_failures.get(python) or "the jail did not start the interpreter"
 
 
 @lru_cache(maxsize=None)
@@ -149,8 +324,11 @@ def child_code(python: str) -> bytes:
 # ------------------------------------------------------------------------- one run
 
 def run(code: str, tests: tuple[str, ...], limits: Limits, python: str) -> ExecResult:
-    """Run one program in a temporary working directory that is removed afterwards."""
+    """Run one program: behind the jail in its tmpfs work folder, else in a temporary
+    working directory that is removed afterwards."""
     launch = launcher(python)
+    if launch.jail:
+        return execute(code, tests, limits, python, launch, JAIL_WORKDIR)
     workdir = tempfile.mkdtemp(prefix="labkit-sandbox-")
     try:
         if launch.uid != os.geteuid():
@@ -168,12 +346,13 @@ def execute(code: str, tests: tuple[str, ...], limits: Limits, python: str,
         "code": code, "tests": tests, "nonce": nonce, "report_fd": report_write,
         "workdir": workdir, "memory_mb": limits.memory_mb, "cpu_s": limits.cpu_s,
         "file_size_mb": FILE_SIZE_MB, "open_files": OPEN_FILES, **policy.tables()}, 4)
-    argv = [*launch.prefix, python, "-I", "-S", "-B", "-c", CHILD_STUB]
+    argv = [*command(launch, python, (report_write,)), "-c", CHILD_STUB]
     started = time.monotonic()
     try:
         try:
             proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, cwd=workdir, env=child_env(workdir),
+                                    stderr=subprocess.PIPE,
+                                    cwd="/" if launch.jail else workdir, env=child_env(workdir),
                                     start_new_session=True, pass_fds=(report_write,),
                                     **popen_user(launch))
         finally:
@@ -182,6 +361,8 @@ def execute(code: str, tests: tuple[str, ...], limits: Limits, python: str,
             streams = communicate(proc, child_code(python) + job, report_read,
                                   started + limits.timeout)
             returncode = proc.wait()
+        if launch.jail:
+            group_gone(proc.pid)
     finally:
         os.close(report_read)
     stdout, stderr, report, timed_out = streams
@@ -275,6 +456,18 @@ def exited(pid: int, deadline: float) -> bool:
             return False
         time.sleep(delay)
         delay = min(2 * delay, 0.01)
+
+
+def group_gone(pgid: int, patience: float = 2.0) -> None:
+    """Wait (a little) until no process of the group is left: the jail's processes take a
+    few milliseconds to tear their namespaces down after the kill."""
+    deadline = time.monotonic() + patience
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except (ProcessLookupError, PermissionError):
+            return
+        time.sleep(0.002)
 
 
 def kill_group(pgid: int) -> None:
