@@ -201,7 +201,10 @@ def test_a_factorial_claims_smoke_sweep_feeds_two_claims(tmp_path):
         assert len(swept) == len(questions.monitor_rules())
     assert all(f"fires.{rule}" in results[8].records[0] for rule in questions.monitor_rules())
     page = findings.write_findings(tmp_path / "findings.md", claims, root, smoke=True)
-    every = page.read_text().split("## Every finding")[1]
+    glance, every = page.read_text().split("## Every finding")
+    per_arm = len({r["seed"] for r in results[8].records})
+    (eight_line,) = [line for line in glance.splitlines() if line.startswith("| 8.")]
+    assert f"| {per_arm} (5) |" in eight_line  # seeds per arm, not the monitor rows' runs
     rows = [line for line in every.splitlines() if line.startswith(("| 4.", "| 8."))]
     assert len(rows) == len(four) + len(eight)
     assert all(any(f"**{v}**" in row for v in stats.VERDICTS) for row in rows)

@@ -627,8 +627,10 @@ def glance_rows(results: list[ClaimResult]) -> list[dict]:
         per_arm: dict[str, set] = {}
         for record in r.records:
             per_arm.setdefault(record["arm"], set()).add(record["seed"])
-        seeds = max([len(v) for v in per_arm.values()] + [row["seeds"] for row in r.rows],
-                    default=0)
+        # seeds per arm: from the per-seed record where there is one (a finding over all
+        # runs, such as a monitor's, counts runs, not seeds)
+        seeds = max([len(v) for v in per_arm.values()] if per_arm
+                    else [row["seeds"] for row in r.rows], default=0)
         planned = r.looks[-1] if r.looks else r.claim["preregistered"]["seeds"]
         out.append({"claim": claim_title(r),
                     "the article says": "(as above)" if r.replication
