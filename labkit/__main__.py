@@ -23,9 +23,14 @@ def _eval_parser(sub) -> None:
     cmd = sub.add_parser("eval", help="greedy accuracy and sampled pass@1 on held-out problems")
     cmd.add_argument("--model", default=None,
                      help="local model folder or hub id (default: the embedded tiny model)")
-    cmd.add_argument("--task", default="arithmetic", choices=["arithmetic", "gsm8k"],
+    cmd.add_argument("--task", default="arithmetic", choices=["arithmetic", "gsm8k", "code"],
                      help="problem source (default: arithmetic, the embedded model's task)")
     cmd.add_argument("--gsm8k-path", default=None, help="GSM8K jsonl, for --task gsm8k")
+    cmd.add_argument("--code-path", default=None,
+                     help="HumanEval- or MBPP-format .jsonl(.gz), for --task code: each "
+                          "completion's program runs its tests in the sandbox")
+    cmd.add_argument("--k", type=int, default=None,
+                     help="pass@k from the samples (default: --samples)")
     cmd.add_argument("--digits", type=int, default=2, help="arithmetic: digits per operand")
     cmd.add_argument("--operands", type=int, default=2, help="arithmetic: operands per problem")
     cmd.add_argument("--n", type=int, default=800, help="held-out problems to evaluate")
@@ -41,6 +46,18 @@ def _eval_parser(sub) -> None:
 def _problems(args):
     from labkit.tasks import ArithmeticTask, load_gsm8k
 
+    if args.task == "code":
+        import sys
+
+        from labkit.code_tasks import load_code_tasks
+        from labkit.sandbox import launch
+
+        if not args.code_path:
+            raise ValueError("--task code needs --code-path, a local HumanEval- or "
+                             "MBPP-format .jsonl or .jsonl.gz")
+        problems = load_code_tasks(args.code_path, n=args.n, seed=args.seed)
+        launch.require_boundary(sys.executable, None)
+        return problems, 256
     if args.task == "gsm8k":
         if not args.gsm8k_path:
             raise ValueError("--task gsm8k needs --gsm8k-path, a local jsonl with "
@@ -67,7 +84,7 @@ def run_eval(args) -> dict:
     problems, budget = _problems(args)
     start = time.perf_counter()
     model, tokenizer = load(source, device=args.device)
-    figures = evaluate(model, tokenizer, problems, samples=args.samples, seed=args.seed,
+    figures = evaluate(model, tokenizer, problems, samples=args.samples, seed=args.seed, k=args.k,
                        max_new_tokens=args.max_new_tokens or budget,
                        batch_size=args.batch_size, progress=True)
     figures["wall_s"] = round(time.perf_counter() - start, 2)
@@ -465,9 +482,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except RuntimeError as e:  # a run that stopped on a non-finite loss: said, not a traceback
+        from labkit.sandbox.launch import SandboxUnavailable
         from labkit.trainer import RunAborted
 
-        if not isinstance(e, RunAborted):
+        if not isinstance(e, (RunAborted, SandboxUnavailable)):
             raise
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -40,8 +40,9 @@ class TrainConfig:
     """grpo: group-relative advantages, no critic; ppo: a critic and GAE."""
     model: str | None = None
     """Local model folder or hub id; None is the embedded tiny model."""
-    task: Literal["arithmetic", "gsm8k"] = "arithmetic"
-    """Problem source: procedural arithmetic, or GSM8K from `gsm8k_path`."""
+    task: Literal["arithmetic", "gsm8k", "code"] = "arithmetic"
+    """Problem source: procedural arithmetic, GSM8K from `gsm8k_path`, or code problems
+    from `code_path` (HumanEval or MBPP format, scored by reward='code' in the sandbox)."""
     digits: int = bounded(2, ge=1)
     """Arithmetic: digits per operand."""
     operands: int = bounded(2, ge=1)
@@ -58,6 +59,8 @@ class TrainConfig:
     """Arithmetic: operators to draw from ('+', '-', '*')."""
     gsm8k_path: str | None = None
     """GSM8K: a local jsonl with 'question' and 'answer' (train on it, evaluate on it)."""
+    code_path: str | None = None
+    """Code: a local HumanEval- or MBPP-format .jsonl or .jsonl.gz (labkit.code_tasks)."""
     reward: str = choice("correctness", REWARD_SPECS)
     """How a completion is scored (labkit.reward_specs): a reward of labkit.rewards.REWARDS
     (correctness: the final answer verified; strict: only a boxed answer counts; format: ends
@@ -404,6 +407,19 @@ class TrainConfig:
         when the problems are drawn, after the model has loaded."""
         if not self.ops or any(op not in "+-*" for op in self.ops):
             raise ValueError(f"ops must be a non-empty string of '+', '-', '*', got {self.ops!r}")
+        if self.task == "code":
+            if not self.code_path:
+                raise ValueError("code_path is required with task='code': a local HumanEval- "
+                                 "or MBPP-format .jsonl or .jsonl.gz")
+            if "code" not in self.reward:
+                raise ValueError(f"task='code' is scored by running its tests: reward must "
+                                 f"include 'code', got {self.reward!r}")
+            if self.gsm8k_path is not None or self.scratchpad:
+                raise ValueError("gsm8k_path and scratchpad are not read with task='code'")
+            return
+        if self.code_path is not None:
+            raise ValueError(f"code_path={self.code_path!r} is only read with task='code' "
+                             f"(task is {self.task!r}): add task='code' or drop code_path")
         if self.task == "gsm8k":
             if self.scratchpad:
                 raise ValueError("scratchpad=True is for task='arithmetic' (GSM8K's worked "
@@ -507,6 +523,13 @@ def preflight(config: TrainConfig) -> None:
             raise ValueError(f"model={config.model!r}: no saved model there (no config.json)")
     if config.task == "gsm8k" and not Path(config.gsm8k_path).expanduser().is_file():
         raise ValueError(f"gsm8k_path={config.gsm8k_path!r} is not a file")
+    if config.task == "code":
+        if not Path(config.code_path).expanduser().is_file():
+            raise ValueError(f"code_path={config.code_path!r} is not a file")
+        from labkit.sandbox import launch
+        import sys
+
+        launch.require_boundary(sys.executable, None)  # before the model loads
     if config.run_dir is not None:
         path = Path(config.run_dir).expanduser()
         if path.exists() and not path.is_dir():

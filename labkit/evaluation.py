@@ -66,6 +66,18 @@ def generate(model, tokenizer, prompts: Sequence[str], *, do_sample: bool,
     return out
 
 
+def judge(problems: Sequence[Problem], texts: Sequence[str]) -> list[float]:
+    """1.0 or 0.0 per completion: a code problem's tests run in the sandbox
+    (`labkit.code_tasks.code_reward`), else the answer's correctness."""
+    if problems and problems[0].tests:
+        from labkit.code_tasks import code_reward
+
+        return code_reward(texts, tests=[p.tests for p in problems],
+                           entry_point=[p.entry_point for p in problems],
+                           prompts=[p.prompt for p in problems])
+    return correctness(texts, answer=[p.answer for p in problems])
+
+
 def pass_at_k(n: int, c: int, k: int) -> float:
     """Unbiased pass@k from n samples of which c are correct (Chen et al. 2021)."""
     if not 0 <= c <= n or not 1 <= k <= n:
@@ -102,10 +114,9 @@ def evaluate(model, tokenizer, problems: Sequence[Problem], *, samples: int = 4,
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     prompts = [p.prompt for p in problems]
-    answers = [p.answer for p in problems]
     greedy = complete(model, tokenizer, prompts, greedy=True, max_new_tokens=max_new_tokens,
                       batch_size=batch_size, progress=progress)
-    greedy_ok = correctness(greedy, answer=answers)
+    greedy_ok = judge(problems, greedy)
     figures = {"eval/accuracy": sum(greedy_ok) / len(problems),
                "eval/length": sum(map(len, greedy)) / len(problems), "eval/n": len(problems)}
     if samples == 0:
@@ -113,7 +124,7 @@ def evaluate(model, tokenizer, problems: Sequence[Problem], *, samples: int = 4,
     drawn = complete(model, tokenizer, prompts, group_size=samples, temperature=temperature,
                      max_new_tokens=max_new_tokens, batch_size=max(1, batch_size // samples),
                      seed=seed, progress=progress)
-    drawn_ok = correctness(drawn, answer=[a for a in answers for _ in range(samples)])
+    drawn_ok = judge([p for p in problems for _ in range(samples)], drawn)
     correct = [int(sum(drawn_ok[i * samples:(i + 1) * samples])) for i in range(len(problems))]
     figures["eval/pass@1"] = sum(correct) / (samples * len(problems))
     figures[f"eval/pass@{k}"] = sum(pass_at_k(samples, c, k) for c in correct) / len(problems)
@@ -143,7 +154,6 @@ def run_eval(config: TrainConfig, policy, tokenizer, source: ProblemSource) -> d
         texts = complete(policy, tokenizer, [p.prompt for p in source.cgc],
                          group_size=config.group_size, temperature=config.temperature,
                          max_new_tokens=config.max_new_tokens, seed=EVAL_SEED + 1)
-        rewards = correctness(texts, answer=[p.answer for p in source.cgc
-                                             for _ in range(config.group_size)])
+        rewards = judge([p for p in source.cgc for _ in range(config.group_size)], texts)
         figures["eval/cgc"] = cgc(torch.tensor(rewards), config.group_size)
     return figures

@@ -32,11 +32,13 @@ from labkit.registry import Registry
 
 RewardFn = Callable[..., list]
 
-TRL_KEYWORDS = ("prompts", "completions", "answer", "steps", "target", "step_seed")
+TRL_KEYWORDS = ("prompts", "completions", "answer", "steps", "target", "step_seed", "tests",
+                "entry_point")
 """The keywords labkit's trainer calls a reward with, as TRL's GRPOTrainer does: the prompts,
 the completions, the task's columns (`labkit.tasks.Problem.to_record`: the ground truth
-`answer`, the intermediate results `steps`, a reference solution `target`), and the step's
-seed (`step_seed`, which `noisy` draws its flips from)."""
+`answer`, the intermediate results `steps`, a reference solution `target`; a code
+problem's `tests` and `entry_point`), and the step's seed (`step_seed`, which `noisy` draws
+its flips from)."""
 
 REWARDS = Registry("reward", (), TRL_KEYWORDS)
 """Rewards by name, TRL's form: `fn(completions, *, answer, **kwargs) -> list[float]`, one
@@ -196,6 +198,18 @@ def correctness(completions: Sequence, answer: Sequence | None = None, **kwargs)
     differs from `completions`, or a None or empty entry (the message names its index).
     """
     return _verify(completions, answer, "correctness", extract_answer)
+
+
+@REWARDS.register("code")
+def code(completions: Sequence, tests: Sequence | None = None, **kwargs) -> list[float]:
+    """Code reward: r_i = 1 if the program in completion_i passes every test of tests_i, run behind the operating system's boundary (`labkit.code_tasks.code_reward`, `labkit.sandbox`), else 0.
+
+    For a code task (`task='code'`, `code_path`): its problems give `tests` and
+    `entry_point`. Without a boundary on this machine it raises, unless LABKIT_SANDBOX=hook-only.
+    """
+    from labkit.code_tasks import code_reward
+
+    return code_reward(completions, tests=tests, **kwargs)
 
 
 @REWARDS.register("strict")

@@ -155,11 +155,16 @@ def versions() -> dict[str, str | None]:
 
 
 def write_config(run_dir: Path, config: dict, machine: dict | None = None) -> None:
-    """config.json: every parameter, the package versions, the git commit, the command, and
-    `machine` (labkit.learner.machine: device, CPU capability, threads, precision)."""
+    """config.json: every parameter, the package versions, the git commit, the command,
+    `machine` (labkit.learner.machine: device, CPU capability, threads, precision) and, for
+    a code task, `sandbox` (labkit.sandbox.isolation: the layers around its programs)."""
     record = {"config": config, "versions": versions(), "git_commit": git_commit(),
               "machine": machine or {}, "argv": sys.argv,
               "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    if config.get("task") == "code":  # what stands around the model's programs
+        from labkit.sandbox import isolation
+
+        record["sandbox"] = isolation()
     _write_atomic(Path(run_dir) / "config.json", json.dumps(record, indent=2) + "\n")
 
 

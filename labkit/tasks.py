@@ -42,11 +42,20 @@ class Problem:
     answer: str
     steps: tuple[str, ...] = ()
     target: str = ""
+    tests: tuple[str, ...] = ()
+    """A code problem's test cases, Python run after the program (`labkit.code_tasks`)."""
+    entry_point: str = ""
+    """A code problem's function under test."""
 
     def to_record(self) -> dict:
-        """A dict with TRL's dataset column names (`prompt`, `answer`, ...)."""
+        """A dict with TRL's dataset column names (`prompt`, `answer`, ...); a code
+        problem's `tests` and `entry_point` only where it has them."""
         record = asdict(self)
         record["steps"] = list(self.steps)
+        if self.tests:
+            record["tests"] = list(self.tests)
+        else:
+            del record["tests"], record["entry_point"]
         return record
 
 
@@ -305,12 +314,17 @@ class ProblemSource:
                                        scratchpad=config.scratchpad)
             self.eval = self.task.sample(config.eval_n, "test", seed=EVAL_SEED, distinct=True)
         else:
-            everything = load_gsm8k(config.gsm8k_path)
+            if config.task == "code":
+                from labkit.code_tasks import load_code_tasks
+
+                everything = load_code_tasks(config.code_path)
+            else:
+                everything = load_gsm8k(config.gsm8k_path)
             self.train = [p for p in everything if split_bucket(p.prompt) >= 20]
             held_out = [p for p in everything if split_bucket(p.prompt) < 20]
             if not self.train or not held_out:
-                raise ValueError(f"{config.gsm8k_path} is too small to split into train and "
-                                 "held-out problems")
+                raise ValueError(f"{config.code_path or config.gsm8k_path} is too small to "
+                                 "split into train and held-out problems")
             self.eval = held_out[:config.eval_n]
         self.cgc = self.eval[:config.cgc_prompts]
 

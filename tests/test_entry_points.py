@@ -59,6 +59,11 @@ def _companions(name: str, text: str, tmp_path: Path) -> dict[str, str]:
         data = tmp_path / "gsm8k.jsonl"
         data.write_text(json.dumps({"question": "1+1?", "answer": "#### 2"}) + "\n")
         return {"gsm8k_path": str(data)}
+    if name == "task" and text == "code":
+        data = tmp_path / "code.jsonl"
+        data.write_text(json.dumps({"prompt": "def f():\n", "test": "def check(c):\n    pass",
+                                    "entry_point": "f"}) + "\n")
+        return {"code_path": str(data), "reward": "code"}
     return {}
 
 

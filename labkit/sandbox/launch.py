@@ -249,6 +249,11 @@ def jail_binary() -> str | None:
     return str(target)
 
 
+class SandboxUnavailable(RuntimeError):
+    """No operating-system boundary for model-written programs on this machine, and no
+    opt-in to run without one."""
+
+
 SANDBOXES = ("boundary", HOOK_ONLY)
 _warned_hook_only = False
 
@@ -277,7 +282,7 @@ def require_boundary(python: str, sandbox: str | None) -> None:
                           f"({jail_reason(python)}): a hostile program can get out",
                           RuntimeWarning, stacklevel=3)
         return
-    raise RuntimeError(
+    raise SandboxUnavailable(
         f"labkit.sandbox: no operating-system boundary for model-written programs here: "
         f"{jail_reason(python)}. It needs Linux (x86-64 or aarch64) with unprivileged user "
         "namespaces and a C compiler (cc, gcc or clang; or CC) to build labkit's jail; "
