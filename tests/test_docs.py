@@ -46,7 +46,7 @@ def parsed(argv: list[str]):
 
     def keep(args, *_, **__):
         seen.append(args)
-        return {} if args.command in ("train", "eval") else 0
+        return {"train": {}, "eval": {"eval/n": 0}}.get(args.command, 0)
 
     with mock.patch.multiple(cli, run_notebook_command=keep, run_sweep_command=keep,
                              run_train=keep, run_eval=keep), \
