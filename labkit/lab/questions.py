@@ -298,7 +298,8 @@ def _mechanism_findings(finals: Sequence[dict], last: int) -> list[Finding]:
              for c in ("0.25", "0.5", "1") if all(f"diag/scale/error/{c}" in r for r in runs)]
     found.append(finding(
         f"at step {last} the per-prompt optimal baseline brings the gradient nearer the true "
-        "one than no baseline", "relative squared error against the many-sample gradient, optimal (cross-fitted) / none",
+        "one than no baseline",
+        "relative squared error against the many-sample gradient, optimal (cross-fitted) / none",
         stats.ratio_interval([r["diag/optimal/error"] for r in runs], none, unit="runs"),
         below=1.0))
     found.append(finding(
