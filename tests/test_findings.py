@@ -273,6 +273,8 @@ def test_a_replication_is_read_once_at_its_fresh_seeds_beside_the_original(finis
     assert len(rows) == 11 and all(r.split(",")[2] in {str(s) for s in range(100, 105)}
                                    for r in rows[1:])
     assert "- claim 7 (replication):" in out.read_text()
+    assert "- claim 7: the replication at fresh seeds (inconclusive at this budget) differs " \
+           "from the original (supported)." in out.read_text()
     # a replication's seeds must lie apart from the original's, and it needs a claim
     fixture.write_text(fixture.read_text().replace("replication: [100]", "replication: [2]"))
     with pytest.raises(ValueError, match="seeds \\+ replication"):

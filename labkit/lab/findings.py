@@ -643,6 +643,23 @@ def glance_rows(results: list[ClaimResult]) -> list[dict]:
     return out
 
 
+def replication_lines(results: list[ClaimResult], glance: list[dict]) -> list[str]:
+    """For each replicated claim, a line saying whether the replication's verdict agrees
+    with the original's (a verdict that flips is not a finding until explained)."""
+    verdicts = {(r.file, r.claim.get("id"), bool(r.replication)): g["verdict"]
+                for r, g in zip(results, glance)}
+    out = []
+    for r in results:
+        if not r.replication or not r.records:
+            continue
+        original = verdicts.get((r.file, r.claim.get("id"), False))
+        again = verdicts[(r.file, r.claim.get("id"), True)]
+        same = "agrees with" if again == original else "differs from"
+        out.append(f"- claim {r.claim.get('id')}: the replication at fresh seeds ({again}) "
+                   f"{same} the original ({original}).")
+    return ["", "Replications:", "", *out] if out else []
+
+
 def claim_title(result: ClaimResult) -> str:
     """'2. <statement>', or for a replication '2, replicated at fresh seeds (first seeds
     100)'."""
@@ -715,10 +732,12 @@ def render(results: list[ClaimResult], commit: str | None, smoke: bool = False,
               "`preregistered:` block, `labkit.lab.preregistration`); the findings below are "
               "the context.", "",
               "| " + " | ".join(GLANCE) + " |", "|" + "---|" * len(GLANCE)]
-    for row in glance_rows(results):
+    glance = glance_rows(results)
+    for row in glance:
         cells = [_cell(row[c]) for c in GLANCE]
         cells[-1] = f"**{cells[-1]}**"
         lines.append("| " + " | ".join(cells) + " |")
+    lines += replication_lines(results, glance)
     lines += ["", "## Every finding", ""]
     columns = list(COLUMNS)
     lines += ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
