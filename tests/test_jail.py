@@ -400,3 +400,25 @@ def test_isolation_names_the_layers_of_the_boundary():
     assert info["boundary"] is True and info["reason"] is None
     assert "seccomp filter" in info["layers"] and "pid namespace" in info["layers"]
     assert info["uid"] == launch.SANDBOX_UID
+
+
+def test_macos_runs_programs_under_a_deny_by_default_seatbelt_profile(monkeypatch):
+    """Untested on a Mac here: the profile's shape and the command line it is used with."""
+    profile = launch.SEATBELT_PROFILE
+    assert profile.startswith("(version 1)\n(deny default)") and "(deny network*)" in profile
+    depth = 0
+    for ch in profile:
+        depth += {"(": 1, ")": -1}.get(ch, 0)
+        assert depth >= 0
+    assert depth == 0
+    monkeypatch.setattr(sys, "platform", "darwin")
+    monkeypatch.setattr(launch, "jail_binary", lambda: None)
+    real_exists = os.path.exists
+    monkeypatch.setattr(os.path, "exists", lambda p: p == launch.SANDBOX_EXEC or real_exists(p))
+    way = launch.candidates()[0]
+    assert way.seatbelt and way.boundary and "untested" in way.layers[0]
+    argv = launch.command(way, PYTHON, (), "/private/tmp/work")
+    executable, prefix = launch.interpreter(PYTHON)
+    assert argv[:6] == [launch.SANDBOX_EXEC, "-D", f"PREFIX={prefix}", "-D",
+                        "WORKDIR=/private/tmp/work", "-p"]
+    assert argv[7:] == [executable, "-I", "-S", "-B"]

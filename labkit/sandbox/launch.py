@@ -52,6 +52,23 @@ BOUNDARY_LAYERS = ("user namespace (uid 65534, no other ids)",
                    "UTS namespace", "cgroup namespace", f"tmpfs work folder ({WORK_MB} MiB)",
                    "no capabilities, no_new_privs", "seccomp filter", "rlimits", "audit hook")
 """The layers in force behind the jail (docs/sandbox.md)."""
+SANDBOX_EXEC = "/usr/bin/sandbox-exec"
+SEATBELT_PROFILE = """(version 1)
+(deny default)
+(import "bsd.sb")
+(allow process-exec (subpath (param "PREFIX")))
+(allow file-read* (subpath (param "PREFIX")) (subpath "/usr/lib") (subpath "/System/Library")
+       (subpath "/Library/Apple/System") (subpath "/private/var/db/dyld")
+       (literal "/dev/null") (literal "/dev/urandom") (literal "/dev/random")
+       (subpath (param "WORKDIR")))
+(allow file-write* (subpath (param "WORKDIR")) (literal "/dev/null"))
+(allow sysctl-read)
+(deny network*)
+(deny process-fork)
+"""
+"""macOS's boundary (Seatbelt, `sandbox-exec`): deny by default; read the interpreter's
+prefix, the system libraries and the work folder; write only the work folder; no network,
+no new processes. Untested here (no Mac at hand): docs/sandbox.md."""
 HOOK_ONLY = "hook-only"
 """The opt-in to run programs behind the audit hook (and rlimits) alone, where no
 operating-system boundary can be set up: `sandbox="hook-only"` or LABKIT_SANDBOX=hook-only."""
@@ -77,17 +94,22 @@ class Launch:
     uid: int
     network_namespace: bool
     jail: str | None = None
+    seatbelt: bool = False
+    """macOS: the program runs under `sandbox-exec` with SEATBELT_PROFILE."""
 
     @property
     def boundary(self) -> bool:
         """Whether the program runs behind the operating system's boundary."""
-        return self.jail is not None
+        return self.jail is not None or self.seatbelt
 
     @property
     def layers(self) -> tuple[str, ...]:
         """What stands around a program started this way."""
         if self.jail:
             return BOUNDARY_LAYERS
+        if self.seatbelt:
+            return ("macOS sandbox-exec profile (deny by default; untested)",
+                    "temporary working folder", "rlimits", "audit hook")
         found = ["new session and process group", "empty environment",
                  "temporary working folder", "rlimits", "audit hook"]
         if self.network_namespace:
@@ -132,6 +154,10 @@ def candidates() -> list[Launch]:
     jail = jail_binary()
     if jail is not None:
         options.append(Launch((), None, SANDBOX_UID, True, jail))
+    import sys
+
+    if sys.platform == "darwin" and os.path.exists(SANDBOX_EXEC):
+        options.append(Launch((), None, me, True, seatbelt=True))
     if me == 0:
         if unshare:
             options.append(Launch((unshare, "--net", f"--setgid={SANDBOX_UID}",
@@ -170,9 +196,15 @@ def works(launch: Launch, python: str) -> bool:
 _jail_failures: dict[str, str] = {}
 
 
-def command(launch: Launch, python: str, keep_fds: tuple[int, ...]) -> list[str]:
+def command(launch: Launch, python: str, keep_fds: tuple[int, ...],
+            workdir: str = "/") -> list[str]:
     """The command line up to the interpreter's flags: the jail with what it shows the
-    program (`--ro`) and the file descriptors it keeps, or the launch's prefix."""
+    program (`--ro`) and the file descriptors it keeps, `sandbox-exec` with the profile and
+    the folders it may read and write, or the launch's prefix."""
+    if launch.seatbelt:
+        executable, prefix = interpreter(python)
+        return [SANDBOX_EXEC, "-D", f"PREFIX={prefix}", "-D", f"WORKDIR={workdir}",
+                "-p", SEATBELT_PROFILE, executable, "-I", "-S", "-B"]
     if not launch.jail:
         return [*launch.prefix, python, "-I", "-S", "-B"]
     executable, prefix = interpreter(python)
@@ -351,7 +383,7 @@ def execute(code: str, tests: tuple[str, ...], limits: Limits, python: str,
         "code": code, "tests": tests, "nonce": nonce, "report_fd": report_write,
         "workdir": workdir, "memory_mb": limits.memory_mb, "cpu_s": limits.cpu_s,
         "file_size_mb": FILE_SIZE_MB, "open_files": OPEN_FILES, **policy.tables()}, 4)
-    argv = [*command(launch, python, (report_write,)), "-c", CHILD_STUB]
+    argv = [*command(launch, python, (report_write,), workdir), "-c", CHILD_STUB]
     started = time.monotonic()
     try:
         try:
