@@ -628,3 +628,35 @@ def test_negative_control_plain_python_kills(victim, tmp_path):
     code = f"import os, signal\nos.kill({victim.pid}, signal.SIGKILL)"
     assert _unsandboxed(code, tmp_path).returncode == 0
     assert victim.wait(timeout=5) == -signal.SIGKILL
+
+
+FAKE_PASS = ("import os\n"
+             "def find():\n"
+             "    try:\n        raise ValueError\n"
+             "    except ValueError as e:\n        frame = e.__traceback__.tb_frame\n"
+             "    while frame is not None:\n"
+             "        for value in list(frame.f_locals.values()):\n"
+             "            if isinstance(value, dict) and 'nonce' in value:\n"
+             "                return value\n"
+             "        frame = frame.f_back\n"
+             "job = find()\n"
+             "os.write(job['report_fd'], (job['nonce'] + '\\tpassed\\t\\n').encode())\n"
+             "os._exit(0)\n")
+
+
+@pytest.mark.parametrize("reach", ["e.__traceback__.tb_frame", "sys.exc_info()[2].tb_frame"])
+def test_a_frame_from_a_traceback_is_refused(layers, reach):
+    """A traceback's frames lead to the sandbox's own state: the hook's (to switch it off)
+    or the job's (to forge a passing report for tests that fail)."""
+    code = "import sys\n" + FAKE_PASS.replace("e.__traceback__.tb_frame", reach)
+    result = run_program(code, "assert False", **FAST)
+    assert result.status == "blocked" and "reading" in result.detail, \
+        (result.status, result.detail)
+
+
+def test_negative_control_without_the_refusal_a_frame_forges_a_pass(monkeypatch):
+    from labkit.sandbox import policy
+
+    monkeypatch.setattr(policy, "FRAME_ATTRIBUTES", frozenset())
+    result = run_program(FAKE_PASS, "assert False", **FAST)
+    assert result.status == "passed"

@@ -104,6 +104,7 @@ def make_rules(job: dict) -> types.SimpleNamespace:
         denied_events=frozenset(job["denied_events"]),
         denied_prefixes=tuple(job["denied_event_prefixes"]),
         socket_families=frozenset(job["allowed_socket_families"]),
+        frame_attributes=frozenset(job["frame_attributes"]),
         write_events=job["write_events"], read_events=job["read_events"],
         last_bytecode={},  # thread -> the standard-library .pyc it opened last
         inside=set())  # threads running the hook: its own calls raise events too
@@ -318,6 +319,8 @@ def check(rules, event: str, args):
     elif (event == "object.__setattr__" and text(args[1]) == "__code__"
           and not from_coroutine_decorator()):
         deny(rules, "replacing a function's __code__")
+    elif event == "object.__getattr__" and text(args[1]) in rules.frame_attributes:
+        deny(rules, f"reading {text(args[1])}")
     elif event == DENIED:
         deny(rules, text(args[0]) or "?")
 

@@ -35,6 +35,12 @@ DENIED_EVENTS = frozenset({
     "cpython.PyInterpreterState_New", "webbrowser.open",
     "sys.monitoring.register_callback"})  # the last one exists from Python 3.12
 DENIED_EVENT_PREFIXES = ("socket.", "ctypes.", "syslog.", "sqlite3.")
+# attributes whose reading ("object.__getattr__") is refused: a frame from a traceback (an
+# exception raised in the hook carries the hook's own frames, whose state a program could
+# change to switch the hook off). Generator and coroutine frames stay readable: asyncio
+# reads them. Frames up the stack (sys._getframe, a generator's f_back) still reach the
+# child's own state: docs/sandbox.md, "verdict integrity".
+FRAME_ATTRIBUTES = frozenset({"tb_frame"})
 # socket families "socket.__new__" may create: AF_UNIX (1), a socket that cannot connect,
 # bind or sendto (asyncio's self-pipe)
 ALLOWED_SOCKET_FAMILIES = frozenset({1})
@@ -59,5 +65,6 @@ def tables() -> dict:
     return {"blocked_modules": BLOCKED_MODULES, "blocked_prefixes": BLOCKED_PREFIXES,
             "replaced_functions": REPLACED_FUNCTIONS, "removed_attributes": REMOVED_ATTRIBUTES,
             "denied_events": DENIED_EVENTS, "denied_event_prefixes": DENIED_EVENT_PREFIXES,
-            "allowed_socket_families": ALLOWED_SOCKET_FAMILIES, "write_events": WRITE_EVENTS,
+            "allowed_socket_families": ALLOWED_SOCKET_FAMILIES,
+            "frame_attributes": FRAME_ATTRIBUTES, "write_events": WRITE_EVENTS,
             "read_events": READ_EVENTS, "readable": READABLE_FILES + READABLE_DIRS}
