@@ -159,3 +159,26 @@ def test_the_code_task_is_checked_before_anything_loads(tmp_path, humaneval):
         TrainConfig(task="code", code_path=str(humaneval))
     with pytest.raises(ValueError, match="code_path=.* is only read with task='code'"):
         TrainConfig(code_path=str(humaneval))
+
+
+@needs_boundary
+def test_the_eval_command_prints_pass_at_1_and_pass_at_k(humaneval, monkeypatch, capsys):
+    from labkit.__main__ import main
+
+    def stub(model, tokenizer, prompts, *, group_size=1, greedy=False, **kwargs):
+        bodies = []
+        for prompt in prompts:
+            i = int(prompt.split("(")[0].removeprefix("def plus"))
+            bodies += [f"    return x + {i + (s == 0 and not greedy)}\n"
+                       for s in range(group_size)]
+        return bodies  # greedy right; the first of the samples wrong, the others right
+
+    monkeypatch.setattr(evaluation, "complete", stub)
+    assert main(["eval", "--task", "code", "--code-path", str(humaneval), "--n", "3",
+                 "--samples", "4", "--k", "2"]) == 0
+    printed = dict(line.split(None, 1) for line in capsys.readouterr().out.splitlines()
+                   if line.startswith("eval/"))
+    assert float(printed["eval/accuracy"]) == 1.0
+    assert float(printed["eval/pass@1"]) == 0.75  # 3 of 4 samples right
+    assert float(printed["eval/pass@2"]) == 1.0  # 1 - C(1,2)/C(4,2) = 1
+    assert printed["eval/n"].strip() == "3"

@@ -660,3 +660,10 @@ def test_negative_control_without_the_refusal_a_frame_forges_a_pass(monkeypatch)
     monkeypatch.setattr(policy, "FRAME_ATTRIBUTES", frozenset())
     result = run_program(FAKE_PASS, "assert False", **FAST)
     assert result.status == "passed"
+
+
+def test_infinite_recursion_ends_in_an_error_and_the_next_program_runs():
+    result = run_program("import sys\nsys.setrecursionlimit(10 ** 6)\n"
+                         "def f(n):\n    return f(n + 1) + 1\nf(0)", "pass", **FAST)
+    assert result.status in ("error", "memory", "timeout") and not result.passed, result.detail
+    assert run_program(ADD, ADD_TESTS).passed
