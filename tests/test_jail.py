@@ -422,3 +422,16 @@ def test_macos_runs_programs_under_a_deny_by_default_seatbelt_profile(monkeypatc
     assert argv[:6] == [launch.SANDBOX_EXEC, "-D", f"PREFIX={prefix}", "-D",
                         "WORKDIR=/private/tmp/work", "-p"]
     assert argv[7:] == [executable, "-I", "-S", "-B"]
+
+
+@needs_jail
+def test_the_throughput_command_compares_the_boundary_with_the_older_layers(capsys):
+    assert sandbox.main(["--samples", "6", "--workers", "1", "--compare", "--rounds", "2"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    import json
+
+    summary = json.loads(out[-1])
+    assert summary["boundary"] is True and len(summary["samples_per_s_workers_1"]) == 2
+    assert len(summary["samples_per_s_workers_1_older_layers"]) == 2
+    assert "paired t over 2 rounds" in next(line for line in out if "adds" in line)
+    assert launch.launcher(PYTHON).boundary  # the measurement left the launcher as it was

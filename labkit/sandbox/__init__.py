@@ -202,27 +202,64 @@ def isolation(python: str | None = None) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     """Throughput: run N small correct programs with 1 and 2 workers, print samples per
-    second; the last line is a JSON object."""
+    second; with --compare, behind the boundary and behind the older layers alone, in
+    alternating rounds, and the boundary's cost per program with its interval over rounds.
+    The last line is a JSON object."""
     parser = argparse.ArgumentParser(prog="python -m labkit.sandbox", description=main.__doc__)
     parser.add_argument("--samples", type=int, default=200, help="programs per run (200)")
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2],
                         help="worker counts to measure (1 2)")
+    parser.add_argument("--compare", action="store_true",
+                        help="also measure without the boundary (the older layers and the "
+                             "audit hook), round by round")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="rounds of every measurement (default 1; 3 or more with --compare)")
     args = parser.parse_args(argv)
+    if args.samples < 1 or args.rounds < 1 or any(w < 1 for w in args.workers):
+        parser.error("--samples, --rounds and every --workers must be >= 1")
     completions = [f"```python\ndef add(a, b):\n    return a + b + {i} - {i}\n```"
                    for i in range(args.samples)]
     tests = [["assert add(1, 2) == 3", "assert add(-1, 1) == 0"]] * args.samples
-    summary = {"samples": args.samples, **isolation()}
-    for workers in args.workers:
-        started = time.perf_counter()
-        rewards = code_reward(completions, tests=tests, workers=workers)
-        elapsed = time.perf_counter() - started
-        if sum(rewards) != args.samples:
-            print(f"error: only {sum(rewards):g} of {args.samples} correct programs passed",
-                  file=sys.stderr)
-            return 1
-        summary[f"samples_per_s_workers_{workers}"] = round(args.samples / elapsed, 1)
-        print(f"workers={workers}: {args.samples} programs in {elapsed:.2f} s, "
-              f"{args.samples / elapsed:.1f} samples/s")
+    summary = {"samples": args.samples, "rounds": args.rounds, **isolation()}
+    ways = {"boundary": launch.launcher(sys.executable)}
+    if args.compare:
+        older = next(w for w in launch.candidates() if not w.boundary
+                     and launch.works(w, sys.executable))
+        ways["older layers"] = older
+    rates: dict[tuple[str, int], list[float]] = {}
+    for _ in range(args.rounds):
+        for name, way in ways.items():
+            launch.launcher.cache_clear()
+            for workers in args.workers:
+                chosen = way
+                original = launch.launcher
+                launch.launcher = lambda python, chosen=chosen: chosen
+                try:
+                    started = time.perf_counter()
+                    rewards = code_reward(completions, tests=tests, workers=workers,
+                                          sandbox="hook-only" if not way.boundary else None)
+                    elapsed = time.perf_counter() - started
+                finally:
+                    launch.launcher = original
+                if sum(rewards) != args.samples:
+                    print(f"error: only {sum(rewards):g} of {args.samples} correct programs "
+                          "passed", file=sys.stderr)
+                    return 1
+                rates.setdefault((name, workers), []).append(args.samples / elapsed)
+                print(f"{name}, workers={workers}: {args.samples} programs in {elapsed:.2f} s, "
+                      f"{args.samples / elapsed:.1f} samples/s")
+    for (name, workers), values in rates.items():
+        key = "" if name == "boundary" else "_older_layers"
+        summary[f"samples_per_s_workers_{workers}{key}"] = [round(v, 1) for v in values]
+    if args.compare and args.rounds >= 2:
+        from labkit import stats
+
+        for workers in args.workers:  # ms a program costs more behind the boundary
+            jail = [1000 / v for v in rates[("boundary", workers)]]
+            plain = [1000 / v for v in rates[("older layers", workers)]]
+            extra = stats.paired_interval(jail, plain, unit="rounds")
+            summary[f"boundary_ms_per_program_workers_{workers}"] = extra.format(2)
+            print(f"workers={workers}: the boundary adds {extra.format(2)} ms of wall time per "
+                  f"program ({extra.method})")
     print(json.dumps(summary))
     return 0
-
