@@ -100,7 +100,11 @@ def _blocked(code: str, layers: str) -> sandbox.ExecResult:
     kernel_said_no = result.status == "error" and any(
         word in result.detail for word in ("PermissionError", "FileNotFoundError",
                                            "Read-only file system"))
-    assert result.status == "blocked" or (layers == "all layers" and kernel_said_no), \
+    # a subinterpreter cannot fork at all: CPython refuses before any audit event
+    interpreter_said_no = result.status == "error" and \
+        "not supported for isolated subinterpreters" in result.detail
+    assert result.status == "blocked" or interpreter_said_no or \
+        (layers == "all layers" and kernel_said_no), \
         (result.status, result.detail, result.stderr[-500:])
     assert code_reward([f"```python\n{code}\n```"], tests=[["pass"]], **FAST) == [0.0]
     return result
@@ -654,11 +658,39 @@ def test_a_frame_from_a_traceback_is_refused(layers, reach):
         (result.status, result.detail)
 
 
-def test_negative_control_without_the_refusal_a_frame_forges_a_pass(monkeypatch):
+GETFRAME_PASS = FAKE_PASS.replace(
+    "    try:\n        raise ValueError\n"
+    "    except ValueError as e:\n        frame = e.__traceback__.tb_frame\n",
+    "    import sys\n    frame = sys._getframe()\n")
+
+
+def _has_subinterpreters() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("_xxsubinterpreters") is not None
+
+
+@pytest.mark.skipif(not _has_subinterpreters(),
+                    reason="this Python has no _xxsubinterpreters: the child runs the program "
+                           "in its own interpreter (docs/sandbox.md, verdict integrity)")
+@pytest.mark.parametrize("code", [FAKE_PASS, GETFRAME_PASS], ids=["tb_frame", "_getframe"])
+def test_no_frame_walk_forges_a_pass_from_the_subinterpreter(monkeypatch, code):
+    """The program runs in a subinterpreter whose objects hold no token: even with the
+    tb_frame refusal lifted, walking every frame up finds nothing to forge a pass with."""
     from labkit.sandbox import policy
 
     monkeypatch.setattr(policy, "FRAME_ATTRIBUTES", frozenset())
-    result = run_program(FAKE_PASS, "assert False", **FAST)
+    result = run_program(code, "assert False", **FAST)
+    assert result.status in ("error", "failed") and not result.passed, result.detail
+
+
+@pytest.mark.parametrize("code", [FAKE_PASS, GETFRAME_PASS], ids=["tb_frame", "_getframe"])
+def test_negative_control_in_one_interpreter_a_frame_walk_forges_a_pass(monkeypatch, code):
+    from labkit.sandbox import policy
+
+    monkeypatch.setattr(policy, "FRAME_ATTRIBUTES", frozenset())
+    monkeypatch.setattr(launch, "SUBINTERPRETER", False)
+    result = run_program(code, "assert False", **FAST)
     assert result.status == "passed"
 
 

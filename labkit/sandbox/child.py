@@ -1,6 +1,12 @@
 """The program the sandboxed interpreter runs: lock the process down, run the solution and
 its tests, write the outcome to the report pipe.
 
+The solution and its tests run in a subinterpreter (`in_subinterpreter`) that gets the job
+without the report's token: nothing the program can reach holds it. The child's own
+interpreter keeps the token and writes the report: "passed" only when the
+subinterpreter's run ended without an exception. Where the Python has no subinterpreters
+(or LABKIT_SUBINTERPRETER=0) the program runs in the child's interpreter as before.
+
 A standalone script, standard library only (the child is a `python -I -S -B`). It reads a
 marshal'd job from stdin: the program, its tests, the token, the report pipe, the limits and
 the tables of `labkit.sandbox.policy`. `labkit.sandbox.launch` sends this file compiled by
@@ -386,24 +392,82 @@ def lock_down(job: dict) -> None:
     install_guard(job)
 
 
-def main() -> None:
-    """Read the job from stdin, lock the process down, run the program and its tests, and
-    write the token and the outcome to the report pipe, then exit at once."""
-    job = marshal.load(sys.stdin.buffer)
-    null = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null, 0)
-    os.close(null)
+SUB_MAIN = "sub_main(JOB)"
+OUTCOME = "labkit-outcome"
+
+
+def sub_main(job_bytes: bytes) -> None:
+    """In the subinterpreter: lock it down, run the program and its tests, flush its
+    output; return only if every test passed, else raise with the outcome (main reads it
+    from the failure). Names it uses after the program starts are locals bound first."""
+    job = marshal.loads(job_bytes)
     tests = tuple(compile(t, f"<test {i}>", "exec") for i, t in enumerate(job["tests"]))
     lock_down(job)
-    write_report, exit_now, any_error = os.write, os._exit, BaseException
-    flushes = (sys.stdout.flush, sys.stderr.flush)
-    nonce, report_fd = job["nonce"], job["report_fd"]
+    flushes, any_error, fail = (sys.stdout.flush, sys.stderr.flush), BaseException, RuntimeError
     status, detail = run_solution(job["code"], tests)
     for flush in flushes:
         try:
             flush()
         except any_error:
             pass
+    if status != "passed":
+        raise fail(OUTCOME + "\t" + status + "\t" + detail)
+
+
+def in_subinterpreter(job: dict):
+    """Run `sub_main` in a new subinterpreter: (status, detail), or None where this Python
+    has none. The program lives in the subinterpreter's own objects and frames, so nothing
+    it can reach holds the token; a pass is only the subinterpreter's run ending without an
+    exception."""
+    try:
+        import _xxsubinterpreters as interpreters
+    except ImportError:
+        return None
+    sandbox_code = marshal.dumps(globals()["CHILD"])  # this module's code, as loaded
+    job = dict(job)
+    del job["nonce"]
+    interp = interpreters.create()
+    script = ("import marshal\nns = {'__name__': '__sandbox__', 'CHILD': None}\n"
+              "exec(marshal.loads(CODE), ns)\nns['sub_main'](JOB)\n")
+    try:
+        interpreters.run_string(interp, script, {"CODE": sandbox_code,
+                                                 "JOB": marshal.dumps(job)})
+    except interpreters.RunFailedError as exc:
+        message = str(exc)
+        found = message.find(OUTCOME + "\t")
+        if found >= 0:
+            status, _, detail = message[found + len(OUTCOME) + 1:].partition("\t")
+            if status in ("failed", "error", "memory"):  # never "passed": see the docstring
+                return status, detail
+        return "error", "the sandbox's run ended in " + message.replace("\n", " ")[:300]
+    return "passed", ""
+
+
+def main() -> None:
+    """Read the job from stdin, run the program and its tests in a subinterpreter behind
+    the limits and the audit hook (in this interpreter where there is no subinterpreter),
+    and write the token and the outcome to the report pipe, then exit at once."""
+    job = marshal.load(sys.stdin.buffer)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    nonce, report_fd = job["nonce"], job["report_fd"]
+    outcome = in_subinterpreter(job) if "CHILD" in globals() and job.get("subinterpreter") \
+        else None
+    if outcome is None:
+        tests = tuple(compile(t, f"<test {i}>", "exec") for i, t in enumerate(job["tests"]))
+        lock_down(job)
+        write_report, exit_now, any_error = os.write, os._exit, BaseException
+        flushes = (sys.stdout.flush, sys.stderr.flush)
+        outcome = run_solution(job["code"], tests)
+        for flush in flushes:
+            try:
+                flush()
+            except any_error:
+                pass
+    else:
+        write_report, exit_now = os.write, os._exit
+    status, detail = outcome
     line = nonce + "\t" + status + "\t" + detail + "\n"
     write_report(report_fd, line.encode("utf-8", "replace"))
     exit_now(0)

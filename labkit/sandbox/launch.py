@@ -39,7 +39,11 @@ OPEN_FILES = 64  # file descriptors a program may hold (RLIMIT_NOFILE)
 SANDBOX_UID = 65534  # "nobody": the user a root caller's programs run as, when possible
 CHILD_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "child.py")
 # what `python -c` runs in the child: the compiled child.py, then the job, on stdin
-CHILD_STUB = "import marshal, sys; exec(marshal.load(sys.stdin.buffer))"
+CHILD_STUB = "import marshal, sys; CHILD = marshal.load(sys.stdin.buffer); exec(CHILD)"
+SUBINTERPRETER = os.environ.get("LABKIT_SUBINTERPRETER", "1").strip().lower() not in (
+    "0", "false", "off", "no")
+"""The program and its tests run in a subinterpreter of the child (where its Python has
+one), so nothing the program can reach holds the report's token (docs/sandbox.md)."""
 JAIL_SOURCE = Path(__file__).resolve().parent / "jail.c"
 JAIL_WORKDIR = "/work"  # the program's tmpfs working folder inside the jail
 WORK_MB = 64  # its size: everything a program writes, together
@@ -382,7 +386,8 @@ def execute(code: str, tests: tuple[str, ...], limits: Limits, python: str,
     job = marshal.dumps({
         "code": code, "tests": tests, "nonce": nonce, "report_fd": report_write,
         "workdir": workdir, "memory_mb": limits.memory_mb, "cpu_s": limits.cpu_s,
-        "file_size_mb": FILE_SIZE_MB, "open_files": OPEN_FILES, **policy.tables()}, 4)
+        "file_size_mb": FILE_SIZE_MB, "open_files": OPEN_FILES, "subinterpreter": SUBINTERPRETER,
+        **policy.tables()}, 4)
     argv = [*command(launch, python, (report_write,), workdir), "-c", CHILD_STUB]
     started = time.monotonic()
     try:
