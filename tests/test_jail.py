@@ -338,6 +338,14 @@ def test_a_fork_bomb_forks_nothing(runner):
 
 
 @needs_jail
+def test_a_thread_bomb_starts_no_thread(runner):
+    done = runner("import threading, time\nstarted = 0\ntry:\n    for _ in range(10000):\n"
+                  "        threading.Thread(target=time.sleep, args=(30,), daemon=True).start()\n"
+                  "        started += 1\nfinally:\n    print('started', started)")
+    assert "started 0" in done.stdout, done.stdout + done.stderr[-300:]
+
+
+@needs_jail
 def test_a_program_past_its_deadline_leaves_no_process(runner):
     token = _token()
     with pytest.raises(subprocess.TimeoutExpired):
