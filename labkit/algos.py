@@ -105,17 +105,6 @@ def _micro_batches(config: TrainConfig, rows: Tensor, step_seed: int, processes:
             yield pass_index, [m for m in parts if len(m)]
 
 
-def _share(config: TrainConfig, mask: Tensor, micro: Tensor, minibatch: Tensor) -> float:
-    """The weight of a micro-batch's aggregated loss in its minibatch's: its token share for
-    token-mean, 1 for token-sum (sums add up), its row share otherwise, so accumulation
-    equals one pass over the minibatch."""
-    if config.agg == "token-mean":
-        return mask[micro].sum().item() / max(mask[minibatch].sum().item(), 1)
-    if config.agg == "token-sum":
-        return 1.0
-    return len(micro) / len(minibatch)
-
-
 def _optimizer_step(learner: Learner, optimizer, scheduler, max_norm: float):
     """Clip the gradients of the optimizer's parameters to `max_norm` (when > 0), step, and
     clear them; the norm before clipping. The optimizer's own list, not a walk over the
@@ -213,7 +202,7 @@ def _micro_terms(config: TrainConfig, learner: Learner, batch: RolloutBatch, mic
     """Backward of one micro-batch's loss, weighted by its share of the minibatch; its
     stats, so weighted, added to `sums`."""
     acc, mask = learner.accelerator, batch.completion_mask
-    share = _share(config, mask, micro, minibatch)
+    share = losses.accumulation_weight(config.agg, mask, micro, minibatch)
     with acc.autocast():
         loss, stats = policy_terms(config, learner, batch, micro, advantages, ref_logp,
                                    token_weight)

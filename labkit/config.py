@@ -22,7 +22,7 @@ from labkit import grammar, stops
 from labkit.advantages import ESTIMATORS, NEEDS, Scale
 from labkit.fields import base_types, bounded, check, choice, choices, docs
 from labkit.loss_modes import LOSS_SPECS
-from labkit.losses import AGG_MODES, Level
+from labkit.losses import AGG_MODES, Level, normaliser_of
 from labkit.models import EMBEDDED, SCRATCHPAD_NAME
 from labkit.reward_specs import REWARD_SPECS, spec_text
 
@@ -386,6 +386,8 @@ class TrainConfig:
         if (self.rows // self.minibatches) % self.grad_accum:
             raise ValueError(f"grad_accum={self.grad_accum} must divide the "
                              f"{self.rows // self.minibatches} rows of a minibatch")
+        if self.grad_accum > 1:  # its micro-batches are weighed by what the mode divides by
+            normaliser_of(self.agg)
 
     def _check_estimator(self) -> None:
         """An estimator that reads a critic's values is PPO's; any other is GRPO's; and it

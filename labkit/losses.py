@@ -31,31 +31,39 @@ KL_VALUES = ("k1", "k2", "k3", "abs")  # "+" forms (a value of k1/k3/abs, k2's g
 AGG_MODES = Registry("loss aggregation mode", ("masked", "mask"), ("max_len",))
 """How per-token losses become one number: `fn(masked, mask, *, max_len) -> scalar`, with
 masked `(N, T)` the per-token loss set to 0 on padding, mask `(N, T)` bool and max_len the
-completion budget or None. Called through `aggregate`, which checks the inputs."""
+completion budget or None. Called through `aggregate`, which checks the inputs. Each mode
+says what it divides by, its `normaliser` (NORMALISERS), so that gradient accumulation over
+micro-batches weighs each one right (`accumulation_weight`)."""
+
+NORMALISERS = ("tokens", "rows", "none")
+"""What an aggregation mode divides the summed loss by, a number proportional to: the
+batch's unmasked tokens, its rows, or nothing (a sum). Registered as
+`@AGG_MODES.register(name, normaliser=...)`; a mode given by import path sets the attribute
+`normaliser` on its function."""
 
 
-@AGG_MODES.register("token-mean")
+@AGG_MODES.register("token-mean", normaliser="tokens")
 def token_mean(masked: Tensor, mask: Tensor, *, max_len: int | None = None) -> Tensor:
     """Token mean (DAPO, Yu et al., 2025; TRL loss_type="dapo", verl's default):
     sum_{i,t} l / sum mask, every token of the batch weighs the same."""
     return masked.sum() / mask.sum().clamp(min=1)
 
 
-@AGG_MODES.register("seq-mean-token-mean")
+@AGG_MODES.register("seq-mean-token-mean", normaliser="rows")
 def seq_mean_token_mean(masked: Tensor, mask: Tensor, *, max_len: int | None = None) -> Tensor:
     """Sequence mean of token means (GRPO in DeepSeekMath; TRL loss_type="grpo"):
     mean_i (sum_t l / T_i), T_i clamped to >= 1; a long completion's tokens weigh less."""
     return (masked.sum(1) / mask.sum(1).clamp(min=1)).sum() / max(mask.shape[0], 1)
 
 
-@AGG_MODES.register("seq-mean-token-sum")
+@AGG_MODES.register("seq-mean-token-sum", normaliser="rows")
 def seq_mean_token_sum(masked: Tensor, mask: Tensor, *, max_len: int | None = None) -> Tensor:
     """Sequence mean of token sums (REINFORCE on the sequence's summed log-probs):
     mean_i sum_t l."""
     return masked.sum(1).sum() / max(mask.shape[0], 1)
 
 
-@AGG_MODES.register("seq-mean-token-sum-norm")
+@AGG_MODES.register("seq-mean-token-sum-norm", normaliser="rows")
 def seq_mean_token_sum_norm(masked: Tensor, mask: Tensor, *,
                             max_len: int | None = None) -> Tensor:
     """Token sum over a constant (Dr. GRPO, Liu et al., 2025; TRL loss_type="dr_grpo"):
@@ -68,11 +76,36 @@ def seq_mean_token_sum_norm(masked: Tensor, mask: Tensor, *,
     return masked.sum(1).sum() / max(n_rows * max_len, 1)
 
 
-@AGG_MODES.register("token-sum")
+@AGG_MODES.register("token-sum", normaliser="none")
 def token_sum(masked: Tensor, mask: Tensor, *, max_len: int | None = None) -> Tensor:
     """Token sum (verl loss_agg_mode="token-sum"): sum_{i,t} l, no normalisation, so the
     step grows with the batch's tokens; pair it with a smaller learning rate."""
     return masked.sum()
+
+
+def normaliser_of(agg: str, field: str = "agg") -> str:
+    """The `normaliser` an aggregation mode declares; ValueError naming `field` when it
+    declares none (a mode given by import path must, to be accumulated over micro-batches)."""
+    kind = getattr(AGG_MODES.resolve(agg, field), "normaliser", None)
+    if kind not in NORMALISERS:
+        raise ValueError(f"{field}={agg!r} does not say what it divides by: set the attribute "
+                         f"`normaliser` on its function to one of {', '.join(NORMALISERS)} "
+                         f"(got {kind!r}), so that grad_accum > 1 weighs its micro-batches "
+                         "right")
+    return kind
+
+
+def accumulation_weight(agg: str, mask: Tensor, micro: Tensor, minibatch: Tensor) -> float:
+    """The weight of a micro-batch's aggregated loss in its minibatch's, so that
+    accumulating the micro-batches equals one pass over the minibatch: its share of the
+    minibatch's unmasked tokens for a token-normalised mode, of its rows for a
+    row-normalised one, 1 for a sum. `micro` and `minibatch` index the rows of `mask`."""
+    kind = normaliser_of(agg)
+    if kind == "tokens":
+        return mask[micro].sum().item() / max(mask[minibatch].sum().item(), 1)
+    if kind == "none":
+        return 1.0
+    return len(micro) / len(minibatch)
 
 
 def _up(x: Tensor) -> Tensor:

@@ -28,14 +28,15 @@ class Registry(Mapping):
         self.kind, self.params, self.keywords = kind, params, keywords
         self._fns: dict[str, Callable] = {}
 
-    def register(self, name: str, *,
-                 needs: tuple[str, ...] = ()) -> Callable[[Callable], Callable]:
+    def register(self, name: str, *, needs: tuple[str, ...] = (),
+                 **attributes) -> Callable[[Callable], Callable]:
         """Decorator: `@ESTIMATORS.register("rloo")` adds the function under `name`, as is.
 
         needs: the optional inputs the function reads (an estimator's `("greedy_rewards",)`),
         stored on it as `fn.needs`, so the caller computes them only for the functions that
-        read them. A function registered by import path declares them the same way, as a
-        `needs` attribute."""
+        read them. Other keywords are stored on the function as attributes of the same name
+        (an aggregation mode's `normaliser`). A function registered by import path declares
+        them the same way, as attributes."""
         if not isinstance(name, str) or not name or ":" in name:
             raise ValueError(f"a {self.kind} name must be a non-empty string without ':', "
                              f"got {name!r}")
@@ -47,6 +48,8 @@ class Registry(Mapping):
             self._check_signature(fn, f"{self.kind} {name!r}")
             if needs:
                 fn.needs = tuple(needs)
+            for key, value in attributes.items():
+                setattr(fn, key, value)
             self._fns[name] = fn
             return fn
 

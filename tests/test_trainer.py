@@ -83,6 +83,16 @@ def test_resume_continues_like_an_uninterrupted_run(tmp_path, algo):
         _comparable(whole.history)
 
 
+SIGNAL = dict(lr=1e-2, seed=1, max_new_tokens=16)
+"""A one-step run whose rewards differ within groups (seed 0's are all 0: no gradient) and
+whose completions differ in length (so token and row weights differ)."""
+
+
+def _grad_norm(result) -> float:
+    """The gradient norm (before clipping) of a one-step run's update."""
+    return next(r["perf/grad_norm"] for r in result.history if "perf/grad_norm" in r)
+
+
 def _one_update(tmp_path, name, **kwargs):
     config = TrainConfig(run_dir=str(tmp_path / name), **dict(SMOKE, steps=1, eval_n=4,
                                                                  cgc_prompts=0, eval_samples=0,
@@ -91,15 +101,54 @@ def _one_update(tmp_path, name, **kwargs):
     return result, torch.load(latest_checkpoint(result.run_dir), weights_only=False)["policy"]
 
 
-def test_gradient_accumulation_equals_one_pass(tmp_path):
-    for agg in ("token-mean", "seq-mean-token-mean", "token-sum"):
-        _, whole = _one_update(tmp_path, f"one-{agg}", agg=agg, lr=1e-2)
-        _, accumulated = _one_update(tmp_path, f"acc-{agg}", agg=agg, lr=1e-2, grad_accum=4)
+@pytest.fixture
+def own_token_mode():
+    """A token-normalised aggregation mode registered by name for one test, then removed."""
+    from labkit.losses import AGG_MODES
+
+    @AGG_MODES.register("half-token-mean", normaliser="tokens")
+    def half_token_mean(masked, mask, *, max_len=None):
+        return 0.5 * masked.sum() / mask.sum().clamp(min=1)
+
+    yield "half-token-mean"
+    del AGG_MODES._fns["half-token-mean"]
+
+
+def test_gradient_accumulation_equals_one_pass_for_every_kind_of_mode(tmp_path, own_token_mode):
+    """Each mode's micro-batches are weighed by what it declares it divides by: a new
+    token-normalised mode and one given by import path accumulate right too (weighed by
+    rows, as they once were, they would not)."""
+    modes = ("token-mean", "seq-mean-token-mean", "token-sum", own_token_mode,
+             "agg_modes_for_tests:twice_token_mean")
+    for agg in modes:
+        one, whole = _one_update(tmp_path, f"one-{agg}", agg=agg, **SIGNAL)
+        acc, accumulated = _one_update(tmp_path, f"acc-{agg}", agg=agg, grad_accum=4, **SIGNAL)
+        # Adam's first step hardly sees a gradient's scale; the gradient's norm does
+        assert _grad_norm(one) > 0, agg  # the step has something to learn
+        assert _grad_norm(acc) == pytest.approx(_grad_norm(one), rel=1e-4), agg
         # Adam's first step is lr * g / (|g| + eps): a weight whose gradient is below eps = 1e-8
         # moves by lr * g / eps = 1e6 * g, so float noise of 1e-12 in g shows as 1e-6 here;
         # a wrong accumulation weight moves weights by a fraction of lr = 1e-2
         for key in whole:
             torch.testing.assert_close(whole[key], accumulated[key], rtol=1e-4, atol=1e-5)
+
+
+def test_a_mode_that_does_not_say_what_it_divides_by_cannot_be_accumulated():
+    TrainConfig(agg="agg_modes_for_tests:undeclared")  # one pass a minibatch: no weight needed
+    with pytest.raises(ValueError, match=r"agg='agg_modes_for_tests:undeclared' does not say "
+                                         r"what it divides by.*normaliser"):
+        TrainConfig(agg="agg_modes_for_tests:undeclared", grad_accum=2)
+
+
+def test_a_row_weight_for_a_token_mode_would_be_caught(monkeypatch, tmp_path):
+    """The accumulation test can fail: weighing a token-normalised mode's micro-batches by
+    rows (the old rule for any mode it did not name) moves the weights."""
+    from labkit import losses
+
+    monkeypatch.setattr(losses, "normaliser_of", lambda agg, field="agg": "rows")
+    one, _ = _one_update(tmp_path, "one", agg="token-mean", **SIGNAL)
+    acc, _ = _one_update(tmp_path, "acc", agg="token-mean", grad_accum=4, **SIGNAL)
+    assert _grad_norm(acc) != pytest.approx(_grad_norm(one), rel=1e-4)
 
 
 @pytest.mark.parametrize("variant", [
