@@ -205,7 +205,7 @@ def check_05(summary, records, params):
 
 def _nbval_run(config, stem: str) -> Path | None:
     """The folder the notebook wrote when nbval ran it earlier in this pytest session
-    (notebooks/conftest.py points the notebooks' runs at one temporary folder), else None."""
+    (the root conftest.py points the notebooks' runs at one temporary folder), else None."""
     runs = getattr(config, "labkit_notebook_runs", None)
     if runs is None or not (runs / stem).is_dir():
         return None
@@ -241,7 +241,7 @@ def test_notebook_runs_and_writes_its_summary(stem, tmp_path, request):
 # ------------------------------------------------------------------ the helpers they call
 
 def test_run_dirs_land_in_the_project_not_in_notebooks(tmp_path, monkeypatch):
-    monkeypatch.delenv(lab.experiments.RUNS_ENV, raising=False)  # notebooks/conftest.py sets it
+    monkeypatch.delenv(lab.experiments.RUNS_ENV, raising=False)  # the root conftest.py sets it
     assert lab.project_root(NOTEBOOKS) == REPO
     assert lab.project_root(tmp_path) == tmp_path.resolve()
     given = lab.resolve_run_dir(str(tmp_path / "a" / "b"), "x")
