@@ -26,7 +26,6 @@ import functools
 import hashlib
 import os
 import platform
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -35,6 +34,8 @@ from pathlib import Path
 
 import torch
 from torch import Tensor
+
+from labkit import cbuild
 
 SOURCE = Path(__file__).with_name("kernels.c")
 
@@ -54,14 +55,7 @@ _held_off = 0
 
 
 def _compiler() -> str | None:
-    named = os.environ.get("CC")
-    if named:
-        return shutil.which(named) or named
-    for name in ("cc", "gcc", "clang"):
-        found = shutil.which(name)
-        if found:
-            return found
-    return None
+    return cbuild.compiler()
 
 
 def _cpu_signature() -> str:
@@ -79,8 +73,7 @@ def cache_dir() -> Path:
     named = os.environ.get("LABKIT_KERNELS_DIR")
     if named:
         return Path(named).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "labkit" / "kernels"
+    return cbuild.cache_root() / "kernels"
 
 
 def _build(compiler: str, target: Path) -> str | None:
@@ -238,8 +231,12 @@ def load() -> Kernels | None:
                                         _cpu_signature(), sys.platform]).encode()).hexdigest()
         target = cache_dir() / f"labkit_kernels_{key[:16]}.so"
         try:
-            _reason = None if target.exists() else _build(compiler, target)
+            built = not target.exists()
+            _reason = _build(compiler, target) if built else None
             if _reason is None:
+                if built:  # once per machine: say what was built and how to turn it off
+                    print(f"labkit.fast.kernels: built the C decode kernels into {target} "
+                          f"with {compiler}; LABKIT_KERNELS=0 turns them off", file=sys.stderr)
                 return Kernels(target)
         except OSError as e:
             _reason = f"could not build or load {target}: {e}"

@@ -17,17 +17,21 @@ import marshal
 import math
 import numbers
 import os
+import platform
 import secrets
 import selectors
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
+from labkit import cbuild
 from labkit.sandbox import policy
 from labkit.sandbox.verdict import OUTPUT_LIMIT, REPORT_LIMIT, ExecResult, text, verdict
 
@@ -158,8 +162,6 @@ def candidates() -> list[Launch]:
     jail = jail_binary()
     if jail is not None:
         options.append(Launch((), None, SANDBOX_UID, True, jail))
-    import sys
-
     if sys.platform == "darwin" and os.path.exists(SANDBOX_EXEC):
         options.append(Launch((), None, me, True, seatbelt=True))
     if me == 0:
@@ -244,9 +246,6 @@ def jail_binary() -> str | None:
     kernels of labkit.fast); None off Linux, without a C compiler or where it fails to
     build (`jail_reason()` says which)."""
     global _jail_reason
-    import platform
-    import sys
-
     if os.environ.get("LABKIT_JAIL", "1").strip().lower() in ("0", "false", "off", "no"):
         _jail_reason = "turned off by LABKIT_JAIL"
         return None
@@ -254,15 +253,13 @@ def jail_binary() -> str | None:
         _jail_reason = f"the jail is for Linux on x86-64 or aarch64, this is {sys.platform} " \
                        f"on {platform.machine()}"
         return None
-    from labkit.fast import kernels
-
-    compiler = kernels._compiler()
+    compiler = cbuild.compiler()
     if compiler is None:
         _jail_reason = "no C compiler (CC, cc, gcc or clang) to build the jail"
         return None
     source = JAIL_SOURCE.read_bytes()
     key = hashlib.sha256(source + compiler.encode()).hexdigest()[:16]
-    target = kernels.cache_dir().parent / "sandbox" / f"labkit-jail-{key}"
+    target = cbuild.cache_root() / "sandbox" / f"labkit-jail-{key}"
     if target.exists():
         return str(target)
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -276,6 +273,8 @@ def jail_binary() -> str | None:
             return None
         os.chmod(scratch, 0o755)
         os.replace(scratch, target)
+        print(f"labkit.sandbox: built the jail that model-written programs run behind into "
+              f"{target} with {compiler}; LABKIT_JAIL=0 turns it off", file=sys.stderr)
     except (OSError, subprocess.SubprocessError) as e:
         _jail_reason = f"could not build jail.c: {e}"
         return None
@@ -300,8 +299,6 @@ def require_boundary(python: str, sandbox: str | None) -> None:
     alone (`sandbox="hook-only"`, or LABKIT_SANDBOX=hook-only), which warns once per
     process. `sandbox` None reads LABKIT_SANDBOX (default "boundary")."""
     global _warned_hook_only
-    import sys
-    import warnings
 
     chosen = sandbox if sandbox is not None else \
         os.environ.get("LABKIT_SANDBOX", "").strip() or "boundary"
