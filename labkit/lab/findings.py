@@ -369,6 +369,9 @@ def _cell(text) -> str:
 
 COLUMNS = ("claim", "source", "measured", "effect [95% CI]", "seeds", "method", "machine",
            "verdict")
+PAGE_COLUMNS = ("claim", "measured", "effect [95% CI]", "seeds", "method", "verdict")
+"""The page's table of every finding: the claim by its number (its statement, source and
+machines are said once, in the table at a glance and the compute lines)."""
 
 
 def table_rows(results: list[ClaimResult]) -> list[dict]:
@@ -378,14 +381,15 @@ def table_rows(results: list[ClaimResult]) -> list[dict]:
     for r in results:
         head = claim_title(r)
         source, machine = r.claim.get("source", ""), "; ".join(sorted(r.machines)) or "-"
+        number = f"{r.claim.get('id', '?')}" + (" (replication)" if r.replication else "")
         if not r.rows:
             out.append(dict.fromkeys(COLUMNS, "") | {
-                "claim": head, "source": source,
+                "claim": head, "source": source, "number": number,
                 "measured": f"not run yet ({r.runs_done} of {r.runs_total} runs)"})
             continue
         for row in r.rows:
             where = "" if row["run"] == "seed=0" else f" ({row['run']})"
-            out.append({"claim": head, "source": source,
+            out.append({"claim": head, "source": source, "number": number,
                         "measured": f"{row['question']}: {row['measure']}{where}",
                         "effect [95% CI]": row["effect"], "seeds": row["seeds"],
                         "method": row["method"], "machine": machine, "verdict": row["verdict"]})
@@ -738,13 +742,10 @@ def render(results: list[ClaimResult], commit: str | None, smoke: bool = False,
         cells[-1] = f"**{cells[-1]}**"
         lines.append("| " + " | ".join(cells) + " |")
     lines += replication_lines(results, glance)
-    lines += ["", "## Every finding", ""]
-    columns = list(COLUMNS)
-    lines += ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    for row in table_rows(results):
-        cells = [_cell(row[c]) for c in columns]
-        cells[-1] = f"**{cells[-1]}**" if cells[-1] else ""
-        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "## Every finding", "",
+              "Each claim's findings, the decisive one and the context, with their intervals, "
+              f"methods and verdicts: [{figures_dir}/{EVERY_PAGE}]({figures_dir}/{EVERY_PAGE}).",
+              ""]
     notes = [r for r in results if r.claim.get("note")]
     if notes:
         lines += ["", "## How to read them", ""]
@@ -770,11 +771,32 @@ def render(results: list[ClaimResult], commit: str | None, smoke: bool = False,
         again = " (replication)" if r.replication else ""
         where = "; ".join(sorted({f"{rec['cpu']}, torch {rec.get('torch', '?')}"
                                   for rec in r.records if rec.get("cpu")}))
+        if r.machines:  # the CPU's capability and the threads each run had
+            where = "; ".join(filter(None, [where, *sorted(r.machines)]))
         lines.append(f"- claim {r.claim.get('id', '?')}{again}: `python -m labkit findings "
                      f"--all --only {r.file.stem}{flag}`; {r.runs_done} of "
                      f"{r.runs_total} runs finished{made}, {hours:.2f} h of training runs' "
                      f"wall time, {r.elapsed_s / 60:.0f} min elapsed"
                      + (f", on {where}" if where else ""))
+    return "\n".join(lines) + "\n"
+
+
+EVERY_PAGE = "every-finding.md"
+"""The page of every finding, in the folder beside the findings page (docs/findings/)."""
+
+
+def render_every(results: list[ClaimResult], commit: str | None) -> str:
+    """Every finding of every claim (PAGE_COLUMNS), one table, as markdown."""
+    lines = ["# Every finding", "",
+             "Generated with docs/findings.md by `python -m labkit findings` (at commit "
+             f"`{commit or 'unknown'}`); each claim's statement, preregistered test and "
+             "claim-level verdict are there. A row's run (in brackets) is the sweep run "
+             "that measured it where the claim has several.", "",
+             "| " + " | ".join(PAGE_COLUMNS) + " |", "|" + "---|" * len(PAGE_COLUMNS)]
+    for row in table_rows(results):
+        cells = [_cell(row["number"] if c == "claim" else row[c]) for c in PAGE_COLUMNS]
+        cells[-1] = f"**{cells[-1]}**" if cells[-1] else ""
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -843,7 +865,10 @@ def write_findings(out: str | Path = FINDINGS_PAGE, claims_dir: str | Path = CLA
             drawn = write_figures(results, out.with_suffix(""))
         except RuntimeError as e:
             print(f"warning: no figures: {e}", file=sys.stderr)
-    text = render(results, git_commit(), smoke, drawn, out.with_suffix("").name)
+    commit = git_commit()
+    text = render(results, commit, smoke, drawn, out.with_suffix("").name)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text, encoding="utf-8")
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / EVERY_PAGE).write_text(render_every(results, commit), encoding="utf-8")
     return out
