@@ -243,7 +243,7 @@ def test_the_page_decides_a_claim_from_its_per_seed_csv_once_its_runs_are_gone(f
     shutil.rmtree(root / "claim_fixture")  # the runs are gone; the CSV stays
     findings.write_findings(out, claims, root)
     assert glance_line(out.read_text()).split(" | ")[4:] == before.split(" | ")[4:]
-    assert "1 of 1 runs finished" in out.read_text() and "90 min elapsed, on AVX2" in out.read_text()
+    assert "1 of 1 batches run" in out.read_text() and "90 min elapsed, on AVX2" in out.read_text()
 
 
 def test_a_replication_is_read_once_at_its_fresh_seeds_beside_the_original(finished):

@@ -334,7 +334,9 @@ def _replications(file: Path, sweep, root: Path, records_dir) -> list[ClaimResul
         _finish(result, done, facts, records_dir)
         seeds = {(r["arm"], r["seed"]) for r in result.records}
         per_arm = max([sum(1 for a, _ in seeds if a == arm) for arm, _ in seeds], default=0)
-        result.looks = (max(per_arm, 2),)
+        per_run = sweep.parameters.get("seeds", 1)
+        planned = len(sweep.replication) * (per_run if isinstance(per_run, int) else 1)
+        result.looks = (max(per_arm or planned, 2),)
         out.append(result)
     return out
 
@@ -775,7 +777,7 @@ def render(results: list[ClaimResult], commit: str | None, smoke: bool = False,
             where = "; ".join(filter(None, [where, *sorted(r.machines)]))
         lines.append(f"- claim {r.claim.get('id', '?')}{again}: `python -m labkit findings "
                      f"--all --only {r.file.stem}{flag}`; {r.runs_done} of "
-                     f"{r.runs_total} runs finished{made}, {hours:.2f} h of training runs' "
+                     f"{r.runs_total} batches run{made}, {hours:.2f} h of training runs' "
                      f"wall time, {r.elapsed_s / 60:.0f} min elapsed"
                      + (f", on {where}" if where else ""))
     return "\n".join(lines) + "\n"
