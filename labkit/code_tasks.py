@@ -20,12 +20,11 @@ model completing HumanEval's function body).
 
 from __future__ import annotations
 
-import random
 import re
 from pathlib import Path
 from typing import Sequence
 
-from labkit.tasks import Problem
+from labkit.tasks import Problem, take
 
 FORMATS = {"humaneval": ("prompt", "test", "entry_point"), "mbpp": ("text", "test_list")}
 """The fields each format requires."""
@@ -51,13 +50,7 @@ def load_code_tasks(path: str | Path, n: int | None = None,
     rows = _rows(path)
     if not rows:
         raise CodeTaskError(f"{path}: no rows")
-    problems = [_problem(path, i, row) for i, row in enumerate(rows, 1)]
-    if n is not None:
-        if n < 0:
-            raise ValueError(f"n must be >= 0, got {n}")
-        problems = random.Random(seed).sample(problems, min(n, len(problems))) \
-            if seed is not None else problems[:n]
-    return problems
+    return take([_problem(path, i, row) for i, row in enumerate(rows, 1)], n, seed)
 
 
 def _rows(path: Path) -> list:

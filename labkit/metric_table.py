@@ -149,20 +149,20 @@ def _diag_rows() -> dict[str, str]:
                 "g* the M-sample reference gradient, for", DIAG_GRADIENTS),
                ("grad_error_raw", "grad_error without std scaling or whitening, for",
                 DIAG_GRADIENTS))
-    for figure, text, names in figures:
-        for name in names:
+    for figure, text, names in figures:  # the first row says it all, the others name theirs
+        for i, name in enumerate(names):
             tail = _CRITIC_ONLY if name.startswith("ppo_") else ""
-            rows[f"diag/{figure}/{name}"] = f"diagnostics: {text} `{name}`{tail}"
+            said = f"diagnostics: {text}" if i == 0 else "the same, for"
+            rows[f"diag/{figure}/{name}"] = f"{said} `{name}`{tail}"
     words = {"rel_var": "gradient relative variance", "cos": "mean cosine to g*",
              "error": "relative error ||g - g*||^2 / ||g*||^2", "mse": "baseline MSE against V*"}
     for figure, text in words.items():
-        for c in (0.0, 0.25, 0.5, 0.75, 1.0):  # labkit.diagnostics.BASELINE_SCALES
+        for i, c in enumerate((0.0, 0.25, 0.5, 0.75, 1.0)):  # diagnostics.BASELINE_SCALES
             rows[f"diag/scale/{figure}/{c:g}"] = (
-                f"diagnostics, the scale sweep: {text} with the baseline {c:g} x group mean, "
-                "raw advantages")
+                f"diagnostics, the scale sweep: {text} with the baseline c x group mean (raw "
+                f"advantages), c = {c:g}" if i == 0 else f"the same, c = {c:g}")
         rows[f"diag/optimal/{figure}"] = (
-            f"diagnostics: {text} of the per-prompt optimal baseline (least squares against "
-            "g*, fitted on half the batches and judged on the other half)")
+            f"diagnostics: {text} of the per-prompt optimal baseline (docs/diagnostics.md)")
     rows["diag/optimal/slope"] = ("diagnostics: slope of the per-prompt optimal baseline on "
                                   "V* (1: the textbook b = V*; 0: a baseline of no use)")
     rows["diag/optimal/intercept"] = "diagnostics: intercept of that fit"

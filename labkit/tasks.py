@@ -248,6 +248,17 @@ GSM8K_TEMPLATE = ("{question}\nPlease reason step by step, and put your final an
                   "within \\boxed{{}}.")
 
 
+def take(items: list, n: int | None, seed: int | None) -> list:
+    """All `items` (n None), the first n, or a random n drawn from `seed` when given."""
+    if n is None:
+        return items
+    if n < 0:
+        raise ValueError(f"n must be >= 0, got {n}")
+    if seed is None:
+        return items[:n]
+    return random.Random(seed).sample(items, min(n, len(items)))
+
+
 def load_gsm8k(path: str | Path, n: int | None = None, seed: int | None = None,
                template: str = GSM8K_TEMPLATE) -> list[Problem]:
     """GSM8K problems from a local jsonl with `question` and `answer` (ending in `#### N`).
@@ -275,11 +286,7 @@ def load_gsm8k(path: str | Path, n: int | None = None, seed: int | None = None,
             if "####" not in str(row["answer"]):
                 raise ValueError(f"{path}:{line_no}: the answer field must end with '#### N'")
             rows.append(row)
-    if n is not None:
-        if n < 0:
-            raise ValueError(f"n must be >= 0, got {n}")
-        rows = random.Random(seed).sample(rows, min(n, len(rows))) if seed is not None \
-            else rows[:n]
+    rows = take(rows, n, seed)
     problems = []
     for row in rows:
         answer = gsm8k_ground_truth(row["answer"])

@@ -227,10 +227,7 @@ def collect(claims_dir: str | Path = CLAIMS_DIR, root: str | Path | None = None,
         runs = plan(sweep, root)
         done = [run for run in runs if run.status == "done"]
         # what a run says of its machine and time, read once for every claim it answers
-        facts = [(_machines(run.path), _duration(run.path),
-                  sum(v for key, v in run.summary.items()
-                      if key.endswith("/wall_s") and isinstance(v, (int, float))))
-                 for run in done]
+        facts = _facts(done)
         # the per-seed record of the file's runs, shared by every claim it answers
         records = _records(done, facts, _watches(sweep))
         for claim in sweep.claims:
@@ -241,6 +238,15 @@ def collect(claims_dir: str | Path = CLAIMS_DIR, root: str | Path | None = None,
         if sweep.replication:
             results += _replications(file, sweep, root, records_dir)
     return sorted(results, key=lambda r: (r.claim.get("id", 0), bool(r.replication)))
+
+
+def _facts(done: list) -> list:
+    """Per finished sweep run: its machines and commits, its notebook's wall time and the
+    sum of its training runs' wall times."""
+    return [(_machines(run.path), _duration(run.path),
+             sum(v for key, v in run.summary.items()
+                 if key.endswith("/wall_s") and isinstance(v, (int, float))))
+            for run in done]
 
 
 def _watches(sweep) -> bool:
@@ -323,9 +329,7 @@ def _replications(file: Path, sweep, root: Path, records_dir) -> list[ClaimResul
     again = dataclasses.replace(sweep, seeds=list(sweep.replication))
     runs = plan(again, root)
     done = [run for run in runs if run.status == "done"]
-    facts = [(_machines(run.path), _duration(run.path),
-              sum(v for key, v in run.summary.items()
-                  if key.endswith("/wall_s") and isinstance(v, (int, float)))) for run in done]
+    facts = _facts(done)
     records = _records(done, facts, _watches(sweep))
     out = []
     for claim in sweep.claims:
