@@ -6,10 +6,12 @@ G completions of a prompt next to each other (rows `b*G .. b*G+G-1`). `mask` `(N
 nonzero on real completion tokens (up to and including EOS), zero on padding.
 
 Every estimator lives in the registry `ESTIMATORS` under one signature,
-`fn(inputs: AdvantageInputs) -> (N,) or (N, T)`: the inputs object carries what any estimator
-may read (rewards, groups, mask and lengths, reward components, discount, and the extras an
-estimator declares with `@ESTIMATORS.register(name, needs=(...))`, such as remax's
-greedy-rollout reward, which the trainer computes only for it). Adding one is one decorated
+`fn(inputs: AdvantageInputs) -> (N,) or (N, T)`, or an `Estimate` that adds the returns
+(gae's); `estimate(name, inputs)` calls one and gives an `Estimate` either way. The inputs
+object carries what any estimator may read (rewards, groups, mask and lengths, reward
+components, discount, and the extras an estimator declares with
+`@ESTIMATORS.register(name, needs=(...))`, such as remax's greedy-rollout reward, which the
+trainer computes only for it). Adding one is one decorated
 function. The math of the classic three is also public with plain arguments (`grpo`,
 `dr_grpo`, `rloo`); `to_tokens` spreads a one-per-completion value over the tokens.
 Critic-based (PPO): `gae`, and `ppo_advantages`, PPO's whole arrow (GAE, then `whiten`,
@@ -104,6 +106,16 @@ class AdvantageInputs:
     def group_index(self) -> Tensor:
         """(N,) the prompt of each row, 0 .. B-1."""
         return torch.arange(self.rewards.shape[0], device=self.rewards.device) // self.group_size
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """What an estimator computes: the advantages, and the returns where it has them."""
+
+    advantages: Tensor
+    """(N,) one per completion, or (N, T) one per token."""
+    returns: Tensor | None = None
+    """(N, T) the critic's regression target (gae); None for the estimators without one."""
 
 
 def _grouped(rewards, group_size: int, who: str) -> Tensor:
@@ -514,15 +526,24 @@ def max_rl(x: AdvantageInputs) -> Tensor:
 
 
 @ESTIMATORS.register("gae", needs=("values",))
-def gae_estimator(x: AdvantageInputs) -> Tensor:
+def gae_estimator(x: AdvantageInputs) -> Estimate:
     """GAE, a critic's values and TD errors, PPO's (Schulman et al., 2016): the critic's values
     `(N, T)` turn the token rewards into per-token advantages, whitened over the batch when
-    `x.whiten`; see `ppo_advantages`. Needs `values`, so only PPO (a critic) can use it. (N, T)"""
+    `x.whiten`, and the returns, the critic's target; see `ppo_advantages`. Needs `values`, so
+    only PPO (a critic) can use it. Estimate of (N, T) and (N, T)"""
     values = x.need("values", "gae")
-    a, _ = ppo_advantages(_token_rewards(x), values, x.token_mask("gae"), gamma=x.gamma,
-                          lam=x.lam, whiten_advantages=x.whiten)
-    return a
+    return Estimate(*ppo_advantages(_token_rewards(x), values, x.token_mask("gae"),
+                                    gamma=x.gamma, lam=x.lam, whiten_advantages=x.whiten))
 
 
-__all__ = ["SCALES", "TOKEN_MODES", "ESTIMATORS", "NEEDS", "AdvantageInputs", "NonFiniteError",
+def estimate(name: str, inputs: AdvantageInputs) -> Estimate:
+    """What the estimator `name` (a registered name or an import path) computes from
+    `inputs`: its advantages, and the returns where it has them (an estimator may return a
+    tensor, the advantages alone, or an `Estimate`)."""
+    out = ESTIMATORS.resolve(name, "estimator")(inputs)
+    return out if isinstance(out, Estimate) else Estimate(out)
+
+
+__all__ = ["SCALES", "TOKEN_MODES", "ESTIMATORS", "NEEDS", "AdvantageInputs", "Estimate",
+           "estimate", "NonFiniteError",
            "grpo", "dr_grpo", "rloo", "to_tokens", "whiten", "gae", "ppo_advantages"]

@@ -29,13 +29,13 @@ from labkit.scoring import FAST_PASSES, MODEL_PASSES, token_logprobs, token_valu
 def _check_measurable(name: str) -> None:
     """ValueError unless estimator `name` gives (N,) from the rewards and G alone: the
     diagnostics draw rewards, not token masks or extras."""
-    from labkit.advantages import ESTIMATORS, AdvantageInputs
+    from labkit.advantages import ESTIMATORS, AdvantageInputs, estimate
 
-    estimator = ESTIMATORS.resolve(name, "estimators")
+    ESTIMATORS.resolve(name, "estimators")  # an unknown name: the registry's error
     why = f"needs {list(ESTIMATORS.needs(name))}" if ESTIMATORS.needs(name) else ""
     if not why:
         try:
-            out = estimator(AdvantageInputs(torch.tensor([1.0, 0.0, 1.0, 1.0]), 2))
+            out = estimate(name, AdvantageInputs(torch.tensor([1.0, 0.0, 1.0, 1.0]), 2)).advantages
             why = "" if tuple(out.shape) == (4,) else "gives per-token advantages"
         except ValueError as e:
             why = str(e)

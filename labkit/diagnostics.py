@@ -89,8 +89,7 @@ def group_baselines(rewards: Tensor, group_size: int, estimators: Sequence[str] 
 
 def raw_advantages(name: str, rewards: Tensor, group_size: int) -> Tensor:
     """Estimator `name`'s advantages (N,) without std scaling; `none` is the reward itself."""
-    estimator = adv.ESTIMATORS.resolve(name, "estimators")
-    return estimator(adv.AdvantageInputs(rewards, group_size, scale="none"))
+    return adv.estimate(name, adv.AdvantageInputs(rewards, group_size, scale="none")).advantages
 
 
 def advantage_rows(draw: Draw, group_size: int, config, *,
@@ -106,9 +105,8 @@ def advantage_rows(draw: Draw, group_size: int, config, *,
     rows = {}
     for name in estimators:
         rows[(name, "raw")] = raw_advantages(name, r, group_size)
-        estimator = adv.ESTIMATORS.resolve(name, "estimators")
-        rows[(name, "trained")] = estimator(adv.AdvantageInputs(
-            r, group_size, scale=config.scale, unbiased=config.std_unbiased))
+        rows[(name, "trained")] = adv.estimate(name, adv.AdvantageInputs(
+            r, group_size, scale=config.scale, unbiased=config.std_unbiased)).advantages
     if draw.values is not None:
         mask = _mask(draw, r.shape[0], draw.values.shape[1])
         token_rewards = losses.ppo_token_rewards(r, mask)  # (N, T) KL off

@@ -6,12 +6,37 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from labkit import parallel, rundir
-from labkit.algos import Learner
+from labkit.advantages import ESTIMATORS
 from labkit.config import TrainConfig
+from labkit.scoring import FAST_PASSES, MODEL_PASSES, Passes, ValueModel
+
+
+@dataclass
+class Learner:
+    """What one step updates: the policy (and PPO's critic), their optimizers and schedules."""
+
+    policy: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    accelerator: object
+    reference: torch.nn.Module | None = None
+    critic: torch.nn.Module | None = None
+    critic_optimizer: torch.optim.Optimizer | None = None
+    critic_scheduler: object = None
+    passes: Passes = FAST_PASSES
+    """How the policy, the reference and the critic run (`TrainConfig.fast`)."""
+    beta: float = 0.0
+    """The KL coefficient now: config.beta, moved by the adaptive controller (kl_target)."""
+
+    @property
+    def processes(self) -> int:
+        """How many processes train together (1 unless launched by `accelerate launch`)."""
+        return self.accelerator.num_processes
 
 
 def lr_schedule(config: TrainConfig) -> Callable[[int], float]:
@@ -203,9 +228,9 @@ def check_full_kl_memory(config: TrainConfig, vocab: int) -> None:
 
 
 def build_learner(config: TrainConfig, accelerator):
-    """Policy (+ frozen reference when beta > 0, + critic for PPO), optimizers, schedules."""
+    """Policy (+ frozen reference when beta > 0, + a critic when the estimator reads its
+    values: PPO's gae), optimizers, schedules."""
     from labkit.models import load
-    from labkit.scoring import FAST_PASSES, MODEL_PASSES, ValueModel
 
     policy, tokenizer = load(config.model, device=accelerator.device, dtype="fp32")
     reference = None
@@ -222,7 +247,8 @@ def build_learner(config: TrainConfig, accelerator):
             _cpu_bf16_attention(model)
     passes = FAST_PASSES if config.fast else MODEL_PASSES
     critic = None
-    if config.algo == "ppo":  # from the policy as loaded: its own backbone, its own adapters
+    if "values" in ESTIMATORS.needs(config.estimator):  # from the policy as loaded: its own
+        # backbone, its own adapters
         critic = ValueModel(policy, hidden=passes.hidden)
     if config.lora_rank:
         from labkit import lora

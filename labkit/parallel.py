@@ -258,3 +258,35 @@ def leave_at_exit() -> None:
 
 LEAVE_PAUSE_S = 0.2
 """How long `leave` keeps the GIL free for gloo's workers (they need microseconds)."""
+
+
+# --- what a step calls on several processes (one process never reaches these) ---------------
+
+def sample_shares(sample, prompts: list[str], tokenizer, accelerator) -> RolloutBatch:
+    """The step's whole rollout: `sample(prompts, **keywords)` of this process's share
+    (`rollout_share`), gathered from every process (`gather_batch`)."""
+    share, keywords = rollout_share(prompts, tokenizer, accelerator)
+    return gather_batch(sample(share, **keywords), accelerator, tokenizer.pad_token_id)
+
+
+def score_shares(score, batch: RolloutBatch, accelerator) -> Tensor:
+    """A no-grad pass over the whole batch: `score(rows)` of this process's rows
+    (`pass_rows`), gathered from every process."""
+    return gather_rows(score(pass_rows(batch, accelerator)), accelerator)
+
+
+def backward_shares(backward, micro_batches: list[Tensor], models, accelerator) -> dict:
+    """A minibatch's backward: `backward(micro, sums)` of this process's micro-batches
+    (`mine`), a non-finite loss on any process raised on all (`raise_together`), the stats
+    and the gradients summed over the processes."""
+    sums, error = {}, None
+    try:
+        for index, micro in enumerate(micro_batches):
+            if mine(index, accelerator):
+                backward(micro, sums)
+    except FloatingPointError as e:
+        error = e
+    raise_together(error, accelerator)
+    sums = sum_stats(sums, accelerator)
+    sum_grads([m for m in models if m is not None], accelerator)
+    return sums

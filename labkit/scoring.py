@@ -144,12 +144,19 @@ class Passes:
     bf16_decoder: Callable
     """The same in bf16 whatever the model's size (`TrainConfig.sampler_precision`), under a
     bf16 autocast that the caller opens."""
+    replays: bool = False
+    """Whether a rollout may keep its per-layer outputs for the update's first forward to
+    replay (`TrainConfig.replay`, labkit.fast.replay)."""
+
+    def moved(self, batch: RolloutBatch) -> None:
+        """The policy has moved: drop what the rollout kept for the update to replay."""
+        batch.recording = None
 
 
 MODEL_PASSES = Passes(model_forward, model_hidden, model_decoder, model_decoder)
 """Every model through its own forward."""
 
-FAST_PASSES = Passes(fast_forward, fast_hidden, fast_decoder, bf16_fast_decoder)
+FAST_PASSES = Passes(fast_forward, fast_hidden, fast_decoder, bf16_fast_decoder, replays=True)
 """labkit.fast's passes for the models they cover, the models' own for the others."""
 
 

@@ -24,20 +24,19 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from labkit import algos, parallel, rundir, samples, stops
 from labkit import metrics as M
-from labkit import parallel, reward_specs, rundir, samples, stops
-from labkit.advantages import ESTIMATORS, NonFiniteError
-from labkit.algos import Learner, StepOutput, grpo_step, ppo_step
+from labkit.advantages import NonFiniteError
 from labkit.config import TrainConfig, preflight
 from labkit.diagnose import RunDiagnostics
 from labkit.evaluation import run_eval
 from labkit.fast.allocator import keep_freed_memory
-from labkit.learner import (build_learner, learner_state, machine, make_accelerator,
+from labkit.learner import (Learner, build_learner, learner_state, machine, make_accelerator,
                             peak_rss_mb, restore_learner, update_count)
 from labkit.lora import save_final
 from labkit.reproducible import set_threads
-from labkit.rewards import RewardError, overlong_penalty
-from labkit.rollout import RolloutBatch, rollout
+from labkit.rewards import RewardError
+from labkit.rollout import RolloutBatch
 from labkit.tasks import Problem, ProblemSource
 from labkit.trackers import Trackers
 
@@ -129,92 +128,36 @@ def _memory_mb(device: torch.device) -> float:
     return peak_rss_mb()
 
 
-def estimator_extras(config, learner, tokenizer, problems, batch, step_seed: int) -> dict:
-    """What `config.estimator` declares it needs beyond the rewards, computed only for it:
-    `components` (N, K) and `component_weights` (K,), the reward's terms scored one by one;
-    `greedy_rewards` (N,), the reward of one greedy completion per prompt (an extra rollout of
-    B rows), repeated over the prompt's G rows. PPO's `values` come from its step."""
-    needs = ESTIMATORS.needs(config.estimator)
-    device, G, out = learner.accelerator.device, config.group_size, {}
-    if "components" in needs:
-        rows = [p for p in problems for _ in range(G)]
-        scores, weights = reward_specs.score_terms(config.reward, rows, batch.texts, step_seed)
-        parts = torch.tensor(scores, device=device)  # (N, K)
-        if not config.score_truncated:
-            parts = parts.masked_fill(batch.truncated[:, None], 0.0)
-        out |= {"components": parts, "component_weights": torch.tensor(weights)}
-    if "greedy_rewards" in needs:
-        policy = learner.accelerator.unwrap_model(learner.policy)
-        with torch.inference_mode(), learner.accelerator.autocast():
-            greedy = rollout(policy, tokenizer, [p.prompt for p in problems], group_size=1,
-                             max_new_tokens=config.max_new_tokens, greedy=True,
-                             decoder=learner.passes.decoder)
-        scores = torch.tensor(reward_specs.score(config.reward, list(problems), greedy.texts,
-                                                 step_seed), device=device)
-        if not config.score_truncated:
-            scores = scores.masked_fill(greedy.truncated, 0.0)
-        out["greedy_rewards"] = scores.repeat_interleave(G)  # (N,)
-    return out
-
-
 def _one_step(config, learner, tokenizer, problems, step: int, step_seed: int,
               inspect: bool = False) -> StepResult:
-    """Rollout, reward, update and metrics of step `step` on `problems`."""
-    device = learner.accelerator.device
-    step_fn = grpo_step if config.algo == "grpo" else ppo_step
+    """`algos.step` on `problems`, timed, with its metrics (and, with `inspect`, the view of
+    the kept rows before and after the update)."""
+    device, view, marks = learner.accelerator.device, None, {}
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+
+    def on_rollout(batch, rewards) -> None:
+        nonlocal view
+        if inspect:
+            view = samples.token_view(config, learner, batch, samples.kept_rows(config))
+        marks["rollout"] = time.perf_counter()
+
     t0 = time.perf_counter()
-    policy = learner.accelerator.unwrap_model(learner.policy)
-    # one autocast region for the whole rollout: its weight casts (bf16) are made once and
-    # reused by every decode step, not redone by each forward
-    bf16_sampler = config.sampler_precision == "bf16"
-    region = torch.autocast(device.type, dtype=torch.bfloat16) if bf16_sampler \
-        else learner.accelerator.autocast()
-    # several processes: each samples its share of the prompts; every one gets the whole
-    share, keywords = parallel.rollout_share([p.prompt for p in problems], tokenizer,
-                                             learner.accelerator)
-    with region:
-        batch = rollout(policy, tokenizer, share,
-                        group_size=config.group_size, max_new_tokens=config.max_new_tokens,
-                        temperature=config.sampler_temperature or config.temperature,
-                        top_k=config.top_k or 0, top_p=config.top_p, seed=step_seed,
-                        decoder=learner.passes.bf16_decoder if bf16_sampler
-                        else learner.passes.decoder,
-                        # a bf16 sampler feeds an fp32 learner: its products cannot stand in
-                        keep_outputs=config.replay and not bf16_sampler, **keywords)
-    batch = parallel.gather_batch(batch, learner.accelerator, tokenizer.pad_token_id)
-    rows = [p for p in problems for _ in range(config.group_size)]  # (N,)
-    rewards = torch.tensor(reward_specs.score(config.reward, rows, batch.texts, step_seed),
-                           device=device)
-    if not config.score_truncated:
-        rewards = rewards.masked_fill(batch.truncated, 0.0)
-    penalty = {}
-    if config.overlong_buffer:  # DAPO's soft overlong punishment, on top of the reward
-        lengths = batch.completion_mask.sum(1).tolist()
-        overlong = torch.tensor(overlong_penalty(lengths, config.max_new_tokens,
-                                                 config.overlong_buffer,
-                                                 config.overlong_penalty), device=device)
-        rewards = rewards + overlong
-        penalty = {"rollout/overlong_penalty": overlong.mean().item()}
-    extras = estimator_extras(config, learner, tokenizer, problems, batch, step_seed)
-    view = samples.token_view(config, learner, batch, samples.kept_rows(config)) \
-        if inspect else None
-    t1 = time.perf_counter()
-    out: StepOutput = step_fn(config, learner, batch, rewards, step_seed, extras)
-    batch.recording = None  # the weights have moved on: what the rollout kept is stale
+    out = algos.step(config, learner, tokenizer, problems, step_seed, on_rollout)
     t2 = time.perf_counter()
+    t1 = marks.get("rollout", t2)
+    batch = out.batch
     if view is not None:
         view = samples.add_ratio(config, learner, batch, view)
     tokens = int(batch.completion_mask.sum())
-    extra = {**out.stats, **penalty, "perf/rollout_s": t1 - t0, "perf/update_s": t2 - t1,
+    extra = {**out.stats, "perf/rollout_s": t1 - t0, "perf/update_s": t2 - t1,
              "perf/step_s": t2 - t0, "perf/tokens_per_s": tokens / max(t2 - t0, 1e-9),
              "perf/mem_mb": _memory_mb(device), "opt/lr": learner.scheduler.get_last_lr()[0]}
-    record = M.step_metrics(rewards=rewards, group_size=config.group_size,
+    record = M.step_metrics(rewards=out.rewards, group_size=config.group_size,
                             advantages=out.advantages, mask=batch.completion_mask,
                             truncated=batch.truncated, values=out.values, returns=out.returns,
                             extra=extra)
-    return StepResult(step, step_seed, rewards, out.advantages, batch, record, view)
+    return StepResult(step, step_seed, out.rewards, out.advantages, batch, record, view)
 
 
 # --- a run: the steps, written into a run directory ------------------------------------------

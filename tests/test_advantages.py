@@ -498,7 +498,7 @@ def test_equal_groups_give_zero_for_every_group_estimator():
                                     dict(estimator="grpo"), dict(estimator="dr_grpo"),
                                     dict(estimator="rloo", scale="batch")], ids=str)
 def test_group_advantages_are_the_estimator_called_directly(fields):
-    from labkit.algos import group_advantages
+    from labkit.stages import group_advantages
     from labkit.config import TrainConfig
 
     config = TrainConfig(group_size=4, **fields)
@@ -509,7 +509,7 @@ def test_group_advantages_are_the_estimator_called_directly(fields):
 
 
 def test_a_new_estimator_is_one_decorated_function():
-    from labkit.algos import group_advantages
+    from labkit.stages import group_advantages
     from labkit.config import TrainConfig
 
     @adv.ESTIMATORS.register("half_rloo_for_test")

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from labkit import advantages as adv
-from labkit import algos
+from labkit import algos, stages, update
 from labkit import losses as L
 from labkit.config import TrainConfig
 from labkit.learner import build_learner, check_full_kl_memory, make_accelerator
@@ -136,10 +136,10 @@ def test_the_loss_term_is_beta_times_the_exact_kl_with_its_gradient():
     config, learner, tokenizer = _learner()
     batch = _batch(learner.policy, tokenizer)
     n = batch.completion_ids.shape[0]
-    ref = algos._reference_logprobs(config, learner, batch)
+    ref = stages.reference_logprobs(config, learner, batch)
     assert ref.shape == (*batch.completion_ids.shape, len(tokenizer))
     rows = torch.arange(n)
-    total, stats = algos.policy_terms(config, learner, batch, rows, torch.zeros(n), ref)
+    total, stats = update.policy_terms(config, learner, batch, rows, torch.zeros(n), ref)
     total.backward()
     got = {k: p.grad.clone() for k, p in learner.policy.named_parameters()}
 
@@ -169,14 +169,13 @@ def test_in_the_reward_the_penalty_is_the_sampling_policys_exact_kl(algo):
         kl_t = L.kl(_hf_log_dists(learner.policy, batch), _hf_log_dists(learner.reference, batch),
                     "full", mask=mask)
     rewards = torch.tensor([1.0, 0.0, 1.0] * 4)
-    step = algos.ppo_step if algo == "ppo" else algos.grpo_step
-    out = step(config, learner, batch, rewards, step_seed=0)
+    out = algos.learn(config, learner, batch, rewards, step_seed=0)
     if algo == "ppo":
         assert out.stats["policy/kl"] == pytest.approx(kl_t[mask].mean().item(), rel=1e-4)
     else:
         seen = rewards - config.beta * kl_t.sum(1)
         want = adv.ESTIMATORS.resolve("grpo", "estimator")(
-            algos.advantage_inputs(config, seen, batch.completion_mask))
+            stages.advantage_inputs(config, seen, batch.completion_mask))
         assert torch.allclose(out.advantages, want, atol=1e-4)
 
 
@@ -187,8 +186,8 @@ def test_the_adaptive_controller_reads_the_exact_kl():
     with torch.no_grad():
         kl_t = L.kl(_hf_log_dists(learner.policy, batch), _hf_log_dists(learner.reference, batch),
                     "full", mask=mask)
-    ref = algos._reference_logprobs(config, learner, batch)
-    algos.adapt_beta(config, learner, batch, ref)
+    ref = stages.reference_logprobs(config, learner, batch)
+    stages.adapt_beta(config, learner, batch, ref)
     per_row = kl_t.sum(1) / mask.sum(1)
     want = L.adaptive_beta(0.1, per_row.mean().item(), 0.01, 10, mask.shape[0])
     assert learner.beta == pytest.approx(want, rel=1e-5) and learner.beta != 0.1

@@ -308,18 +308,18 @@ def test_a_non_finite_loss_mid_step_is_kept_apart_from_the_resumable_checkpoints
         tmp_path, monkeypatch):
     """With two minibatches the first has already moved the weights when the second's loss
     is NaN: that state is not the end of any step, so no resume may load it as one."""
-    import labkit.algos
+    import labkit.update
     from labkit.rundir import CHECKPOINTS, latest_checkpoint
     from labkit.trainer import RunAborted, train
 
-    original, calls = labkit.algos.policy_loss_mode, []
+    original, calls = labkit.update.policy_loss_mode, []
 
     def nan_on_second_minibatch(*args, **kwargs):
         calls.append(1)
         loss, stats = original(*args, **kwargs)
         return (loss * math.nan if len(calls) == 2 else loss), stats
 
-    monkeypatch.setattr(labkit.algos, "policy_loss_mode", nan_on_second_minibatch)
+    monkeypatch.setattr(labkit.update, "policy_loss_mode", nan_on_second_minibatch)
     run_dir = tmp_path / "run"
     with pytest.raises(RunAborted, match="step 1: non-finite loss.*mid-step.*the beginning"):
         train(TrainConfig(run_dir=str(run_dir), minibatches=2, **FAST))

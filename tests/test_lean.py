@@ -531,11 +531,11 @@ def test_a_reference_held_in_bf16_matches_its_model_forward(tiny):
 def test_frozen_passes_give_ordinary_tensors_the_loss_may_keep(tiny, algo):
     """The reference (and PPO's old values) run in inference mode; what they return must be
     usable by a loss whose backward keeps it."""
-    from labkit import algos
+    from labkit import algos, stages
 
     config, learner, tokenizer = _learner(algo=algo, device="cpu", beta=0.04)
     batch = _batch(tiny[0], tokenizer)
-    ref = algos._reference_logprobs(config, learner, batch)
+    ref = stages.reference_logprobs(config, learner, batch)
     with torch.no_grad():
         expected, _ = token_logprobs(learner.reference, batch)
     assert not ref.is_inference() and torch.allclose(ref, expected, atol=1e-6)
@@ -543,7 +543,7 @@ def test_frozen_passes_give_ordinary_tensors_the_loss_may_keep(tiny, algo):
     (logp * ref).sum().backward()  # the product keeps ref for its backward
     assert any(p.grad is not None for p in learner.policy.parameters())
     if algo == "ppo":
-        out = algos.ppo_step(config, learner, batch, torch.ones(batch.completion_ids.shape[0]),
+        out = algos.learn(config, learner, batch, torch.ones(batch.completion_ids.shape[0]),
                              step_seed=0)
         assert not out.values.is_inference() and torch.isfinite(out.values).all()
 

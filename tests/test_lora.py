@@ -58,7 +58,7 @@ def test_only_the_adapters_train_and_the_reference_is_the_base_model(qwen_path, 
     adapters_before = {k: v.clone() for k, v in lora.adapter_state(policy).items()}
     batch = _batch(policy, tokenizer)
     rewards = torch.tensor([1.0, 0.0, 0.0] * 4)
-    algos.grpo_step(config, learner, batch, rewards, step_seed=0)
+    algos.learn(config, learner, batch, rewards, step_seed=0)
     assert all(torch.equal(v, base_before[k]) for k, v in _base_weights(policy).items())
     after = lora.adapter_state(policy)
     assert any(not torch.equal(after[k], adapters_before[k]) for k in after)
@@ -87,7 +87,7 @@ def test_ppos_critic_has_adapters_of_its_own_and_a_value_head_that_trains(qwen_p
     critic_adapters = {k: v.clone() for k, v in lora.adapter_state(critic.backbone).items()}
     batch = _batch(policy, tokenizer)
     for seed in (0, 1):  # the value head starts at 0: the backbone's gradient from step 2 on
-        algos.ppo_step(config, learner, batch, torch.tensor([1.0, 0.0, 0.0] * 4), seed)
+        algos.learn(config, learner, batch, torch.tensor([1.0, 0.0, 0.0] * 4), seed)
     assert all(torch.equal(v, base_before[k]) for k, v in _base_weights(policy).items())
     assert all(torch.equal(v, critic_base[k]) for k, v in _base_weights(critic.backbone).items())
     assert not torch.equal(critic.head.weight, head)
@@ -98,7 +98,7 @@ def test_ppos_critic_has_adapters_of_its_own_and_a_value_head_that_trains(qwen_p
 def test_a_checkpoint_holds_the_adapters_and_restores_them(qwen_path):
     config, learner, tokenizer = _learner(qwen_path)
     batch = _batch(learner.policy, tokenizer)
-    algos.grpo_step(config, learner, batch, torch.tensor([1.0, 0.0, 0.0] * 4), step_seed=0)
+    algos.learn(config, learner, batch, torch.tensor([1.0, 0.0, 0.0] * 4), step_seed=0)
     state = learner_state(learner)
     assert state["policy"] and all(".lora_" in k for k in state["policy"])
     _, fresh, _ = _learner(qwen_path)

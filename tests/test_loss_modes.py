@@ -262,7 +262,7 @@ def test_overlong_penalty_is_dapos_linear_ramp():
 
 
 def test_kept_rows_drop_truncated_completions_when_asked():
-    from labkit.algos import kept_rows
+    from labkit.stages import kept_rows
     from labkit.config import TrainConfig
 
     r = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 1.0, 0.0])

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from labkit import parallel
-from labkit.algos import _micro_batches
+from labkit.update import micro_batch_plan
 from labkit.config import TrainConfig
 from labkit.rollout import rollout
 from labkit.rundir import latest_checkpoint, read_metrics
@@ -213,8 +213,8 @@ def test_only_data_parallel_launches_train():
 def test_processes_take_grad_accum_micro_batches_each():
     config = TrainConfig(batch_prompts=4, group_size=4, minibatches=2, grad_accum=2)
     rows = torch.arange(16)
-    one = list(_micro_batches(config, rows, step_seed=5, processes=1))
-    two = list(_micro_batches(config, rows, step_seed=5, processes=2))
+    one = list(micro_batch_plan(config, rows, step_seed=5, processes=1))
+    two = list(micro_batch_plan(config, rows, step_seed=5, processes=2))
     assert [len(m) for _, m in one] == [2, 2] and [len(m) for _, m in two] == [4, 4]
     for (_, a), (_, b) in zip(one, two):  # the same minibatches, cut finer
         assert torch.equal(torch.cat(a), torch.cat(b))

@@ -177,15 +177,15 @@ def test_variants_run_with_finite_losses(tmp_path, variant):
 
 
 def test_non_finite_loss_stops_with_a_checkpoint(tmp_path, monkeypatch):
-    import labkit.algos
+    import labkit.update
 
-    original = labkit.algos.policy_loss_mode
+    original = labkit.update.policy_loss_mode
 
     def poisoned(*args, **kwargs):
         loss, stats = original(*args, **kwargs)
         return loss * float("nan"), stats
 
-    monkeypatch.setattr(labkit.algos, "policy_loss_mode", poisoned)
+    monkeypatch.setattr(labkit.update, "policy_loss_mode", poisoned)
     with pytest.raises(RuntimeError, match="non-finite loss.*checkpoint"):
         train(TrainConfig(run_dir=str(tmp_path / "nan"), **dict(SMOKE, eval_n=4)))
     assert latest_checkpoint(tmp_path / "nan") is not None
@@ -453,8 +453,8 @@ def test_every_group_estimator_trains_a_step(estimator):
     """A Trainer step with each registered critic-free estimator: the advantages the step
     used are the estimator's on the step's rewards, mask and extras, and the update is finite."""
     from labkit.advantages import ESTIMATORS
-    from labkit.algos import advantage_inputs
-    from labkit.trainer import Trainer, estimator_extras
+    from labkit.stages import advantage_inputs, estimator_extras
+    from labkit.trainer import Trainer
 
     config = TrainConfig(estimator=estimator, reward="correctness+0.5*format", **STEP)
     trainer, before = Trainer(config), Trainer(config)  # `before`: the policy the step saw
@@ -483,10 +483,10 @@ def test_kl_sits_where_kl_in_puts_it(algo, kl_in, monkeypatch):
     """kl_in=loss logs loss/kl (a term of the policy loss); kl_in=reward does not, and a GRPO
     estimator sees r_i - beta * sum_t KL_t. The reference log-probs are set to the sampling
     ones minus 0.1, so k1 = 0.1 on every token and the penalty of row i is beta * 0.1 * L_i."""
-    import labkit.algos as algos
+    import labkit.stages as stages
     from labkit.trainer import Trainer
 
-    monkeypatch.setattr(algos, "_reference_logprobs",
+    monkeypatch.setattr(stages, "reference_logprobs",
                         lambda config, learner, batch: batch.old_logprobs - 0.1)
     config = TrainConfig(algo=algo, beta=0.5, kl_in=kl_in, kl_kind="k1", estimator=None
                          if algo == "ppo" else "dr_grpo", **STEP)

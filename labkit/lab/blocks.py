@@ -52,7 +52,7 @@ def registered_advantages(rewards: torch.Tensor, mask: torch.Tensor, *,
     for name in adv.ESTIMATORS:
         if "values" in adv.ESTIMATORS.needs(name):
             continue
-        a = adv.ESTIMATORS[name](x)
+        a = adv.estimate(name, x).advantages
         out[name] = a if a.dim() == 1 else torch.where(m, a, 0.0).sum(1) / m.sum(1).clamp(min=1)
     return out
 
