@@ -187,7 +187,8 @@ def _diagnose_parser(sub) -> None:
 
 def run_diagnose(args) -> dict:
     from labkit.config import TrainConfig
-    from labkit.diagnose import DiagSettings, diagnose_trainer, from_run, table
+    from labkit.diagnose import DiagSettings, diagnose_trainer, table
+    from labkit.trainer import Trainer
 
     if args.threads is not None:
         if args.threads < 1:
@@ -200,10 +201,8 @@ def run_diagnose(args) -> dict:
     given = config_fields(args.fields, lambda name: f"--set {name}")
     given.setdefault("progress", False)
     if args.run is not None:
-        trainer, step = from_run(args.run, given)
+        trainer, step = Trainer.from_run(args.run, given)
     else:
-        from labkit.trainer import Trainer
-
         trainer, step = Trainer(TrainConfig(**given)), None
     _, record = diagnose_trainer(trainer, settings, step=step)
     print(table(record))

@@ -25,6 +25,7 @@ from labkit.loss_modes import LOSS_SPECS
 from labkit.losses import AGG_MODES, Level, normaliser_of
 from labkit.models import EMBEDDED, SCRATCHPAD_NAME
 from labkit.reward_specs import REWARD_SPECS, spec_text
+from labkit.tasks import ENUMERABLE, ArithmeticTask
 
 
 ALGO_LR = {"grpo": 1e-3, "ppo": 5e-4}
@@ -433,8 +434,6 @@ class TrainConfig:
         if self.gsm8k_path is not None:
             raise ValueError(f"gsm8k_path={self.gsm8k_path!r} is only read with task='gsm8k' "
                              f"(task is {self.task!r}): add task='gsm8k' or drop gsm8k_path")
-        from labkit.tasks import ENUMERABLE, ArithmeticTask
-
         task = ArithmeticTask(digits=self.digits, operands=self.operands, ops=self.ops,
                               min_operands=self.min_operands, scratchpad=self.scratchpad)
         if self.scratchpad and self.model in EMBEDDED:

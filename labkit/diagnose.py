@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from labkit.config import TrainConfig
 from labkit.diagnostics import GROUP_ESTIMATORS, Draw, Sampler, flat_metrics, measure
 from labkit.rewards import REWARDS, check_rewards
 from labkit.rollout import rollout
@@ -115,8 +116,6 @@ def diagnose(policy, tokenizer, problems: Sequence, *, config=None, critic=None,
     record of `labkit.diagnostics.measure`, with the prompts, the sampling settings, the
     step and the wall time. `config` (a TrainConfig, default the defaults) gives the
     sampling, the reward, the aggregation and the advantages' settings."""
-    from labkit.config import TrainConfig
-
     config = config or TrainConfig()
     settings = settings or DiagSettings()
     problems = list(problems)[:settings.prompts]
@@ -200,24 +199,6 @@ def read_diagnostics(run_dir) -> list[dict]:
     return [json.loads(line) for line in lines if line.strip()]
 
 
-def from_run(run_dir, overrides: dict | None = None):
-    """A Trainer holding the latest checkpoint of `run_dir` (its policy and, for PPO, its
-    critic) and its config (with `overrides`), and the checkpoint's step."""
-    from labkit import rundir
-    from labkit.config import TrainConfig
-    from labkit.learner import restore_learner
-    from labkit.trainer import Trainer
-
-    config = TrainConfig.from_dict({**rundir.read_config(run_dir), **(overrides or {})})
-    checkpoint = rundir.latest_checkpoint(run_dir)
-    if checkpoint is None:
-        raise FileNotFoundError(f"{run_dir} holds no checkpoint (checkpoints/step_*.pt)")
-    trainer = Trainer(config)
-    state = rundir.load_checkpoint(checkpoint, map_location=trainer.device)
-    restore_learner(trainer.learner, state)
-    return trainer, int(state["step"])
-
-
 def table(record: dict) -> str:
     """The record's per-estimator figures as a text table, each figure with its standard
     error (`mean+-se`); rel_var and cos as trained, and raw."""
@@ -239,4 +220,4 @@ def table(record: dict) -> str:
 
 
 __all__ = ["DiagSettings", "lm_sampler", "diagnose", "diagnose_trainer", "flat_metrics",
-           "DIAG_FILE", "settings_of", "RunDiagnostics", "read_diagnostics", "from_run", "table"]
+           "DIAG_FILE", "settings_of", "RunDiagnostics", "read_diagnostics", "table"]

@@ -87,6 +87,19 @@ class Trainer:
         self.learner, self.tokenizer = build_learner(config, self.accelerator)
         self.problems = ProblemSource(config)
 
+    @classmethod
+    def from_run(cls, run_dir: str | Path, overrides: dict | None = None) -> tuple[Trainer, int]:
+        """A Trainer holding the latest checkpoint of `run_dir` (its policy and, for PPO, its
+        critic) and its config (with `overrides`), and the checkpoint's step."""
+        config = TrainConfig.from_dict({**rundir.read_config(run_dir), **(overrides or {})})
+        checkpoint = rundir.latest_checkpoint(run_dir)
+        if checkpoint is None:
+            raise FileNotFoundError(f"{run_dir} holds no checkpoint (checkpoints/step_*.pt)")
+        trainer = cls(config)
+        state = rundir.load_checkpoint(checkpoint, map_location=trainer.device)
+        restore_learner(trainer.learner, state)
+        return trainer, int(state["step"])
+
     @property
     def policy(self) -> torch.nn.Module:
         """The policy model itself (unwrapped from the accelerator)."""
