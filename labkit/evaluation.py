@@ -15,7 +15,7 @@ from tqdm.auto import tqdm
 
 from labkit.metrics import cgc
 from labkit.rewards import correctness
-from labkit.rollout import rollout
+from labkit.rollout import fast_decoder, model_decoder, rollout
 from labkit.tasks import EVAL_SEED, Problem, ProblemSource, format_prompt
 
 if TYPE_CHECKING:
@@ -89,7 +89,8 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 def evaluate(model, tokenizer, problems: Sequence[Problem], *, samples: int = 4,
              k: int | None = None, temperature: float = 1.0, max_new_tokens: int = 16,
-             batch_size: int = 256, seed: int = 0, progress: bool = False) -> dict:
+             batch_size: int = 256, seed: int = 0, progress: bool = False,
+             decoder=fast_decoder) -> dict:
     """Greedy accuracy and sampled pass@1 (and pass@k) of the model on `problems`.
 
     Completions come from `rollout` (one prefill per prompt); `generate` above is the plain
@@ -115,7 +116,7 @@ def evaluate(model, tokenizer, problems: Sequence[Problem], *, samples: int = 4,
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     prompts = [p.prompt for p in problems]
     greedy = complete(model, tokenizer, prompts, greedy=True, max_new_tokens=max_new_tokens,
-                      batch_size=batch_size, progress=progress)
+                      batch_size=batch_size, progress=progress, decoder=decoder)
     greedy_ok = judge(problems, greedy)
     figures = {"eval/accuracy": sum(greedy_ok) / len(problems),
                "eval/length": sum(map(len, greedy)) / len(problems), "eval/n": len(problems)}
@@ -123,7 +124,7 @@ def evaluate(model, tokenizer, problems: Sequence[Problem], *, samples: int = 4,
         return figures
     drawn = complete(model, tokenizer, prompts, group_size=samples, temperature=temperature,
                      max_new_tokens=max_new_tokens, batch_size=max(1, batch_size // samples),
-                     seed=seed, progress=progress)
+                     seed=seed, progress=progress, decoder=decoder)
     drawn_ok = judge([p for p in problems for _ in range(samples)], drawn)
     correct = [int(sum(drawn_ok[i * samples:(i + 1) * samples])) for i in range(len(problems))]
     figures["eval/pass@1"] = sum(correct) / (samples * len(problems))
@@ -133,27 +134,32 @@ def evaluate(model, tokenizer, problems: Sequence[Problem], *, samples: int = 4,
 
 def complete(model, tokenizer, prompts: Sequence[str], *, group_size: int = 1,
              greedy: bool = False, temperature: float = 1.0, max_new_tokens: int = 16,
-             batch_size: int = 256, seed: int = 0, progress: bool = False) -> list[str]:
+             batch_size: int = 256, seed: int = 0, progress: bool = False,
+             decoder=fast_decoder) -> list[str]:
     """Completion texts, `group_size` per prompt (next to each other), through `rollout`
-    in chunks of `batch_size` prompts; chunk c draws with seed `seed + c`."""
+    in chunks of `batch_size` prompts; chunk c draws with seed `seed + c`. `decoder`: what
+    the rollout decodes with (`labkit.rollout.fast_decoder` or `model_decoder`)."""
     out: list[str] = []
     starts = range(0, len(prompts), batch_size)
     for c, start in enumerate(tqdm(starts, desc="evaluate", disable=not progress, leave=False)):
         out += rollout(model, tokenizer, prompts[start:start + batch_size], greedy=greedy,
                        group_size=group_size, temperature=temperature,
-                       max_new_tokens=max_new_tokens, seed=seed + c).texts
+                       max_new_tokens=max_new_tokens, seed=seed + c, decoder=decoder).texts
     return out
 
 
 def run_eval(config: TrainConfig, policy, tokenizer, source: ProblemSource) -> dict:
-    """Held-out greedy accuracy, pass@1 / pass@k, mean length, and CGC on fixed prompts."""
+    """Held-out greedy accuracy, pass@1 / pass@k, mean length, and CGC on fixed prompts,
+    decoded as the run decodes (`config.fast`)."""
+    decoder = fast_decoder if config.fast else model_decoder
     figures = evaluate(policy, tokenizer, source.eval, samples=config.eval_samples,
                        temperature=config.temperature, max_new_tokens=config.max_new_tokens,
-                       seed=EVAL_SEED)
+                       seed=EVAL_SEED, decoder=decoder)
     if source.cgc and config.group_size >= 2:
         texts = complete(policy, tokenizer, [p.prompt for p in source.cgc],
                          group_size=config.group_size, temperature=config.temperature,
-                         max_new_tokens=config.max_new_tokens, seed=EVAL_SEED + 1)
+                         max_new_tokens=config.max_new_tokens, seed=EVAL_SEED + 1,
+                         decoder=decoder)
         rewards = judge([p for p in source.cgc for _ in range(config.group_size)], texts)
         figures["eval/cgc"] = cgc(torch.tensor(rewards), config.group_size)
     return figures

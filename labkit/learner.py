@@ -232,6 +232,11 @@ def build_learner(config: TrainConfig, accelerator):
     values: PPO's gae), optimizers, schedules."""
     from labkit.models import load
 
+    if config.fast and accelerator.device.type == "cpu":
+        # the fast wing, loaded only when a run asks for it: a step's tensors reuse the heap
+        from labkit.fast.allocator import keep_freed_memory
+
+        keep_freed_memory()
     policy, tokenizer = load(config.model, device=accelerator.device, dtype="fp32")
     reference = None
     if config.beta > 0 and config.kl_estimator == "full":

@@ -10,6 +10,7 @@ that call `model.generate` with `num_return_sequences=G` prefill every prompt G 
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -17,7 +18,6 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from labkit import fast
 from labkit.tasks import format_prompt
 
 
@@ -208,17 +208,27 @@ def model_decoder(model, prompt_ids: Tensor, group_size: int) -> ModelDecoder:
     return ModelDecoder(model)
 
 
-fast_decoder = fast.decoder_or(model_decoder)
-"""Decode with `labkit.fast.Decoder` where it covers the model (Llama, Mistral, Qwen2, Qwen3),
-else with `model_decoder`: the same tokens up to float rounding. Under autocast it computes
-in the autocast dtype (in fp32 for a small model on a CPU), and it attends over each prompt's
-keys once per group when the prompt is long enough for that to pay."""
+@functools.cache
+def _fast_decoders():
+    # the fast wing is loaded on first use: a run on the plain path never imports it
+    from labkit import fast
+
+    return (fast.decoder_or(model_decoder), fast.decoder_or(model_decoder, dtype=torch.bfloat16))
 
 
-bf16_fast_decoder = fast.decoder_or(model_decoder, dtype=torch.bfloat16)
-"""`fast_decoder` with its matrix products in bf16 for any model (a bf16 sampler, for
-`TrainConfig.sampler_precision`); models it does not cover decode with their own forward, in
-bf16 under the autocast the caller opens."""
+def fast_decoder(model, prompt_ids: Tensor, group_size: int):
+    """Decode with `labkit.fast.Decoder` where it covers the model (Llama, Mistral, Qwen2,
+    Qwen3), else with `model_decoder`: the same tokens up to float rounding. Under autocast it
+    computes in the autocast dtype (in fp32 for a small model on a CPU), and it attends over
+    each prompt's keys once per group when the prompt is long enough for that to pay."""
+    return _fast_decoders()[0](model, prompt_ids, group_size)
+
+
+def bf16_fast_decoder(model, prompt_ids: Tensor, group_size: int):
+    """`fast_decoder` with its matrix products in bf16 for any model (a bf16 sampler, for
+    `TrainConfig.sampler_precision`); models it does not cover decode with their own forward,
+    in bf16 under the autocast the caller opens."""
+    return _fast_decoders()[1](model, prompt_ids, group_size)
 
 
 @torch.no_grad()

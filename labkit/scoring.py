@@ -24,13 +24,13 @@ and any other through `model_forward`. `Passes` bundles the choice for a learner
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
-from labkit import fast
 from labkit.losses import entropy as entropy_of
 from labkit.reproducible import select_cache_rows, select_rows
 from labkit.rollout import (RolloutBatch, bf16_fast_decoder, cache_keyword, cache_of,
@@ -124,11 +124,22 @@ def model_hidden(stack) -> Forward:
     return run
 
 
-fast_forward = fast.lm_forward_or(model_forward)
-"""`labkit.fast.lm_forward` where it covers the model, else `model_forward`."""
+@functools.cache
+def _fast():
+    # the fast wing is loaded on first use: a run on the plain path never imports it
+    from labkit import fast
 
-fast_hidden = fast.backbone_or(model_hidden)
-"""`labkit.fast.backbone` where it covers the stack, else `model_hidden`."""
+    return fast
+
+
+def fast_forward(model) -> Forward:
+    """`labkit.fast.lm_forward` where it covers the model, else `model_forward`."""
+    return _fast().lm_forward_or(model_forward)(model)
+
+
+def fast_hidden(stack) -> Forward:
+    """`labkit.fast.backbone` where it covers the stack, else `model_hidden`."""
+    return _fast().backbone_or(model_hidden)(stack)
 
 
 @dataclass(frozen=True)
@@ -214,7 +225,7 @@ def _recording_for(model, batch: RolloutBatch, rows: Tensor, share_prompt: bool 
             torch.is_inference_mode_enabled() or not _shares_prompt(batch, rows, share_prompt):
         return None
     if batch.completion_ids.shape[1] - 1 > recording.steps or \
-            not recording.serves(model, fast.compute_dtype(model)):
+            not recording.serves(model, _fast().compute_dtype(model)):
         return None
     return recording
 
@@ -233,7 +244,7 @@ def _replayed_outputs(model, recording, batch: RolloutBatch, rows: Tensor) -> Te
             kept = recording.prompt_pass(torch.unique(batch.group_index[ascending]))
         else:
             kept = recording.completion_pass(ascending, width)
-        return fast.lm_forward(model, ids, mask, positions, cache, keep, replay=kept)
+        return _fast().lm_forward(model, ids, mask, positions, cache, keep, replay=kept)
 
     logits = completion_outputs(run, batch, ascending, share_prompt=True)
     return select_rows(logits, order.argsort())

@@ -30,7 +30,6 @@ from labkit.advantages import NonFiniteError
 from labkit.config import TrainConfig, preflight
 from labkit.diagnose import RunDiagnostics
 from labkit.evaluation import run_eval
-from labkit.fast.allocator import keep_freed_memory
 from labkit.learner import (Learner, build_learner, learner_state, machine, make_accelerator,
                             peak_rss_mb, restore_learner, update_count)
 from labkit.lora import save_final
@@ -82,8 +81,6 @@ class Trainer:
         self.config = config
         self.accelerator = accelerator or make_accelerator(config)
         parallel.check_launch(config, self.accelerator)
-        if self.accelerator.device.type == "cpu":
-            keep_freed_memory()  # a step's tensors reuse the heap, not fresh pages
         self.learner, self.tokenizer = build_learner(config, self.accelerator)
         self.problems = ProblemSource(config)
 

@@ -109,12 +109,13 @@ def test_kept_memory_is_taken_again_without_page_faults():
     assert kept["kept"] and sum(kept["faults"][1:]) < pages // 20
 
 
-def test_a_trainer_on_the_cpu_keeps_freed_memory(monkeypatch):
+@pytest.mark.parametrize("fast", [True, False])
+def test_a_fast_trainer_on_the_cpu_keeps_freed_memory(monkeypatch, fast):
     import labkit.trainer
     from labkit.config import TrainConfig
 
     calls = []
-    monkeypatch.setattr(labkit.trainer, "keep_freed_memory", lambda: calls.append(1))
-    labkit.trainer.Trainer(TrainConfig(steps=1, batch_prompts=2, group_size=2,
+    monkeypatch.setattr(allocator, "keep_freed_memory", lambda: calls.append(1))
+    labkit.trainer.Trainer(TrainConfig(steps=1, batch_prompts=2, group_size=2, fast=fast,
                                        max_new_tokens=4, eval_n=4, device="cpu"))
-    assert calls == [1]
+    assert calls == ([1] if fast else [])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -75,3 +77,25 @@ def test_gae_runs_once_a_ppo_step_and_its_returns_are_the_critics_target(monkeyp
     gae_advantages, gae_returns = calls[0]
     assert torch.equal(out.returns, gae_returns)
     assert torch.equal(out.advantages, adv.whiten(gae_advantages, out.batch.completion_mask))
+
+
+FENCE = """
+import sys, tempfile
+from labkit.config import TrainConfig
+from labkit.trainer import train
+train(TrainConfig(fast={fast}, steps=2, batch_prompts=2, group_size=2, max_new_tokens=6,
+                  eval_every=1, eval_n=4, eval_samples=2, cgc_prompts=2, beta=0.04,
+                  progress=False, run_dir=tempfile.mkdtemp() + "/run"))
+print(sorted(name for name in sys.modules if name.startswith("labkit.fast")))
+"""
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_a_plain_run_never_imports_the_fast_wing(fast):
+    """A whole run with fast=False (training, evaluation, checkpoints) loads no module of
+    labkit.fast; with fast=True it does (the control)."""
+    done = subprocess.run([sys.executable, "-c", FENCE.format(fast=fast)], capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    loaded = done.stdout.strip().splitlines()[-1]
+    assert (loaded != "[]") == fast, loaded
