@@ -21,10 +21,10 @@ from typing import Literal
 from labkit import grammar, stops
 from labkit.advantages import ESTIMATORS, NEEDS, Scale
 from labkit.fields import base_types, bounded, check, choice, choices, docs
-from labkit.loss_modes import LOSS_SPECS
+from labkit.policy_losses import LOSS_SPECS
 from labkit.losses import AGG_MODES, Level, normaliser_of
 from labkit.models import EMBEDDED, SCRATCHPAD_NAME
-from labkit.reward_specs import REWARD_SPECS, spec_text
+from labkit.reward_expr import REWARD_SPECS, spec_text
 from labkit.tasks import ENUMERABLE, ArithmeticTask
 
 
@@ -63,7 +63,7 @@ class TrainConfig:
     code_path: str | None = None
     """Code: a local HumanEval- or MBPP-format .jsonl or .jsonl.gz (labkit.code_tasks)."""
     reward: str = choice("correctness", REWARD_SPECS)
-    """How a completion is scored (labkit.reward_specs): a reward of labkit.rewards.REWARDS
+    """How a completion is scored (labkit.reward_expr): a reward of labkit.rewards.REWARDS
     (correctness: the final answer verified; strict: only a boxed answer counts; format: ends
     in a box); shaped(lam=0.3): correctness - lam * (1 - the fraction of intermediate results
     written); noisy(p=P): correctness's 0/1 verdict flipped with probability P, drawn from the
@@ -105,7 +105,7 @@ class TrainConfig:
     std_unbiased: bool = True
     """grpo: the std divides by G-1 (torch, TRL) rather than G."""
     loss: str = choice("vanilla", LOSS_SPECS)
-    """Policy-loss mode, a name of labkit.loss_modes.POLICY_LOSSES with its options:
+    """Policy-loss mode, a name of labkit.policy_losses.POLICY_LOSSES with its options:
     sapo(tau_pos=1.0, tau_neg=1.05). eps_low and eps_high are each mode's bounds; dual_clip
     and ratio_level apply to vanilla."""
     agg: str = choice("token-mean", AGG_MODES)

@@ -1,4 +1,4 @@
-"""`labkit.diagnostics` on a labkit policy: rollouts, scoring and the rewards registry.
+"""`labkit.estimator_quality` on a labkit policy: rollouts, scoring and the rewards registry.
 
 `diagnose(policy, tokenizer, problems, ...)` measures one policy snapshot (and its critic)
 on fixed problems and returns the record; `diagnose_trainer(trainer, ...)` does so for a
@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from labkit.config import TrainConfig
-from labkit.diagnostics import GROUP_ESTIMATORS, Draw, Sampler, flat_metrics, measure
+from labkit.estimator_quality import GROUP_ESTIMATORS, Draw, Sampler, flat_metrics, measure
 from labkit.rewards import REWARDS, check_rewards
 from labkit.rollout import rollout
 from labkit.scoring import FAST_PASSES, MODEL_PASSES, token_logprobs, token_values
@@ -113,7 +113,7 @@ def diagnose(policy, tokenizer, problems: Sequence, *, config=None, critic=None,
              settings: DiagSettings | None = None, step: int | None = None,
              passes=None) -> dict:
     """One measurement of `policy` (and `critic`) on `problems[:settings.prompts]`: the
-    record of `labkit.diagnostics.measure`, with the prompts, the sampling settings, the
+    record of `labkit.estimator_quality.measure`, with the prompts, the sampling settings, the
     step and the wall time. `config` (a TrainConfig, default the defaults) gives the
     sampling, the reward, the aggregation and the advantages' settings."""
     config = config or TrainConfig()

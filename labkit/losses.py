@@ -168,7 +168,7 @@ def clipped_surrogate(lp: Tensor, old: Tensor, a: Tensor, m: Tensor, *, eps_low:
                       level: Level = "token") -> tuple[Tensor, dict[str, float]]:
     """`policy_loss` before aggregation: the per-token loss `(N, T)` and the stats, from
     prepared inputs (`_surrogate_inputs`: one dtype, advantages `(N, T)` and 0 on padding, a
-    bool mask). The loss modes of `labkit.loss_modes` build on it."""
+    bool mask). The loss modes of `labkit.policy_losses` build on it."""
     zero = torch.zeros((), dtype=lp.dtype, device=lp.device)
     # padding may hold -inf log-probs; its log-ratio is set to 0 before exp
     log_ratio = torch.where(m, lp - old, zero)  # (N, T)

@@ -1,9 +1,9 @@
 """The namespace table of every logged key, `METRICS`, from which docs/metrics.md is generated
 (`labkit.metrics.metrics_table`); `labkit.metrics.METRICS` is this table.
 
-The `diag/` rows are the flat figures of the estimator diagnostics (`labkit.diagnostics`,
+The `diag/` rows are the flat figures of the estimator diagnostics (`labkit.estimator_quality`,
 docs/diagnostics.md) that a run logs every `diag_every` steps: one row per figure and
-estimator, generated from `labkit.diagnostics.GROUP_ESTIMATORS` and `CRITIC_ROWS`.
+estimator, generated from `labkit.estimator_quality.GROUP_ESTIMATORS` and `CRITIC_ROWS`.
 """
 
 from __future__ import annotations

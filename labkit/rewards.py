@@ -13,7 +13,7 @@ reward-model score normalisation are small wrappers around that.
 
 `REWARDS` is the registry of the rewards a training run can be given by name; adding one is
 one function decorated with `@REWARDS.register(name)`. The config's `reward` is a small
-expression over these names (weights, `shaped(...)`, `noisy(...)`): `labkit.reward_specs`.
+expression over these names (weights, `shaped(...)`, `noisy(...)`): `labkit.reward_expr`.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from labkit import advantages as adv
-from labkit import losses, mismatch, parallel, reward_specs
+from labkit import losses, mismatch, parallel, reward_expr
 from labkit.config import TrainConfig
 from labkit.learner import Learner
 from labkit.metrics import masked_mean
@@ -65,7 +65,7 @@ def reward(config: TrainConfig, problems: list[Problem], batch: RolloutBatch,
     """One scalar reward per completion (N,), by `config.reward`; a completion cut at the
     length limit scores 0 unless `score_truncated`."""
     rows = [p for p in problems for _ in range(config.group_size)]  # (N,)
-    rewards = torch.tensor(reward_specs.score(config.reward, rows, batch.texts, step_seed),
+    rewards = torch.tensor(reward_expr.score(config.reward, rows, batch.texts, step_seed),
                            device=batch.completion_ids.device)
     if not config.score_truncated:
         rewards = rewards.masked_fill(batch.truncated, 0.0)
@@ -93,7 +93,7 @@ def estimator_extras(config: TrainConfig, learner: Learner, tokenizer,
     device, G, out = learner.accelerator.device, config.group_size, {}
     if "components" in needs:
         rows = [p for p in problems for _ in range(G)]
-        scores, weights = reward_specs.score_terms(config.reward, rows, batch.texts, step_seed)
+        scores, weights = reward_expr.score_terms(config.reward, rows, batch.texts, step_seed)
         parts = torch.tensor(scores, device=device)  # (N, K)
         if not config.score_truncated:
             parts = parts.masked_fill(batch.truncated[:, None], 0.0)
@@ -104,7 +104,7 @@ def estimator_extras(config: TrainConfig, learner: Learner, tokenizer,
             greedy = rollout(policy, tokenizer, [p.prompt for p in problems], group_size=1,
                              max_new_tokens=config.max_new_tokens, greedy=True,
                              decoder=learner.passes.decoder)
-        scores = torch.tensor(reward_specs.score(config.reward, list(problems), greedy.texts,
+        scores = torch.tensor(reward_expr.score(config.reward, list(problems), greedy.texts,
                                                  step_seed), device=device)
         if not config.score_truncated:
             scores = scores.masked_fill(greedy.truncated, 0.0)

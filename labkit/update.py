@@ -19,7 +19,7 @@ from torch import Tensor
 from labkit import losses, parallel
 from labkit.config import TrainConfig
 from labkit.learner import Learner
-from labkit.loss_modes import high_entropy_mask, policy_loss_mode
+from labkit.policy_losses import high_entropy_mask, policy_loss_mode
 from labkit.metrics import masked_mean
 from labkit.rollout import RolloutBatch
 from labkit.scoring import token_scores, token_values

@@ -1,4 +1,4 @@
-"""labkit.diagnostics against exact expectations: a tabular policy small enough to enumerate,
+"""labkit.estimator_quality against exact expectations: a tabular policy small enough to enumerate,
 binomial rewards with a known MSE, and the embedded model end to end."""
 
 import itertools
@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
-from labkit import diagnostics
+from labkit import estimator_quality
 from labkit.config import TrainConfig
-from labkit.diagnostics import (BASELINE_SCALES, Draw, advantage_rows, baseline_error,
+from labkit.estimator_quality import (BASELINE_SCALES, Draw, advantage_rows, baseline_error,
                                 flat_metrics, group_baselines, gradient_noise, measure,
                                 optimal_baseline, surrogate_gradients, v_star)
 
@@ -251,12 +251,12 @@ def test_the_scale_sweep_and_the_optimal_baseline_against_their_own_gradients(on
     assert sweep["1"]["error"] == pytest.approx(record["grad_error"]["raw"]["grpo"]["mean"])
     assert sweep["0"]["mse"] == pytest.approx(record["baseline_mse"]["none"]["mean"])
     # c = 0.5 by its own backward passes, advantages r - 0.5 x group mean, on the same draws
-    ref = policy.sample(64, diagnostics._seed(2, 0))
-    g_ref = surrogate_gradients(ref.logp(), None, {"r": diagnostics.raw_advantages(
+    ref = policy.sample(64, estimator_quality._seed(2, 0))
+    g_ref = surrogate_gradients(ref.logp(), None, {"r": estimator_quality.raw_advantages(
         "rloo", ref.rewards, 64)}, [policy.theta], agg=CONFIG.agg)["r"]
     half = []
     for k in range(40):
-        d = policy.sample(G, diagnostics._seed(2, k + 1))
+        d = policy.sample(G, estimator_quality._seed(2, k + 1))
         mean = d.rewards.view(-1, G).mean(1).repeat_interleave(G)
         half.append(surrogate_gradients(d.logp(), None, {"h": d.rewards - 0.5 * mean},
                                         [policy.theta], agg=CONFIG.agg)["h"])
@@ -432,7 +432,7 @@ def test_informative_share_counts_the_subsets_whose_rewards_all_agree():
     formula 1 - p^G - (1-p)^G at the mean p (0/1 rewards)."""
     import itertools
 
-    from labkit.diagnostics import informative_share
+    from labkit.estimator_quality import informative_share
 
     gen = torch.Generator().manual_seed(0)
     rewards = (torch.rand(5, 7, generator=gen) < torch.tensor([[0.1], [0.5], [0.9], [0.0],

@@ -18,7 +18,7 @@ from labkit.advantages import ESTIMATORS
 from labkit.config import TrainConfig
 from labkit.lab.runner import check_parameters, config_values, notebook_parameters
 from labkit.lab.sweeps import load_sweep, plan
-from labkit.reward_specs import WRAPPERS, example
+from labkit.reward_expr import WRAPPERS, example
 from labkit.trainer import train
 
 REPO = Path(__file__).resolve().parents[1]

@@ -6,7 +6,7 @@ from typing import Literal
 
 import pytest
 
-from labkit import grammar, lab, loss_modes, reward_specs, stops, trackers
+from labkit import grammar, lab, policy_losses, reward_expr, stops, trackers
 from labkit.config import TrainConfig
 from labkit.fields import FALSE, TRUE, parse, parse_field
 
@@ -57,11 +57,11 @@ def test_split_cuts_outside_parentheses_and_strings_only():
 # --- every grammar reports the field, the text and the column --------------------------------
 
 @pytest.mark.parametrize("read, field, text, column", [
-    (reward_specs.parse, "reward", "correctness+*format", 13),
-    (reward_specs.parse, "reward", "correctness+0.3*nope", 17),
-    (reward_specs.parse, "reward", "noisy(strict, p=2)", 1),
-    (loss_modes.parse_loss, "loss", "sapo(tau=2)", 6),
-    (loss_modes.parse_loss, "loss", "sapo(tau_pos=1", 15),
+    (reward_expr.parse, "reward", "correctness+*format", 13),
+    (reward_expr.parse, "reward", "correctness+0.3*nope", 17),
+    (reward_expr.parse, "reward", "noisy(strict, p=2)", 1),
+    (policy_losses.parse_loss, "loss", "sapo(tau=2)", 6),
+    (policy_losses.parse_loss, "loss", "sapo(tau_pos=1", 15),
     (stops.parse, "stop_rules", "adv/gav>0.4; policy/kl>0.5 for x", 32),
     (stops.parse, "stop_rules", "adv/gav>0.4; nope<1", 14),
     (trackers.parse, "report_to", "tensorboard, tensorbord", 14),

@@ -273,7 +273,7 @@ def test_a_nan_reward_stops_the_run_with_one_line_and_a_resumable_checkpoint(
         tmp_path, monkeypatch, capsys):
     """Step 2's rewards are NaN: the command says so in one line (exit 1), the checkpoint
     of step 1 is there, and a resume finishes the run."""
-    import labkit.reward_specs
+    import labkit.reward_expr
     from labkit.__main__ import main
     from labkit.rundir import latest_checkpoint, load_checkpoint, read_metrics
     from labkit.trainer import train
@@ -286,7 +286,7 @@ def test_a_nan_reward_stops_the_run_with_one_line_and_a_resumable_checkpoint(
         return [math.nan] * len(scores) if len(calls) == 2 else scores
 
     # the reward the trainer builds from config.reward, NaN-giving
-    monkeypatch.setattr(labkit.reward_specs, "build", lambda spec, field="": nan_on_second_step)
+    monkeypatch.setattr(labkit.reward_expr, "build", lambda spec, field="": nan_on_second_step)
     run_dir = tmp_path / "run"
     args = ["train", "--run-dir", str(run_dir)]
     for key, value in FAST.items():

@@ -100,7 +100,7 @@ def check_00(summary, records, params):
     quantities = {r["quantity"] for r in records}
     assert {"reward", "advantage/rloo", "kl/k3", "surrogate/A=-1/dual clip c=3"} <= quantities
     from labkit.advantages import ESTIMATORS
-    from labkit.loss_modes import POLICY_LOSSES
+    from labkit.policy_losses import POLICY_LOSSES
 
     ours = [n for n, fn in ESTIMATORS.items() if fn.__module__ == "labkit.advantages"]
     assert {f"registered/{n}" for n in ours if n != "gae"} <= quantities

@@ -292,7 +292,7 @@ def test_grpo_advantages_match_trl(scale, tmp_path):
         assert (advantages.dr_grpo(rewards, G) - trl_adv).abs().max().item() < TOL
 
 
-# TRL loss types that are labkit loss modes (labkit.loss_modes), with TRL's aggregation:
+# TRL loss types that are labkit loss modes (labkit.policy_losses), with TRL's aggregation:
 #   cispo -> loss "cispo": TRL clips the weight above only, at the absolute epsilon_high; labkit
 #            clips to [1 - eps_low, 1 + eps_high], so eps_high = epsilon_high - 1 and eps_low =
 #            0.999 (a bound of 0.001 that no ratio here reaches); aggregated as dapo (token-mean)
@@ -336,10 +336,10 @@ def _same_loss_and_grads(model, loss, trl_loss, trl_grads):
 
 
 @pytest.mark.parametrize("case", MODE_CASES, ids=[f"{c[0]}-{c[2]}" for c in MODE_CASES])
-def test_loss_modes_match_trl_compute_loss(case, tmp_path):
+def test_policy_losses_match_trl_compute_loss(case, tmp_path):
     """TRL's cispo, sapo, luspo and vespo loss types against labkit's loss modes on the same
     batch: the loss and the gradient of every weight, to 1e-6 (float32, as TRL computes)."""
-    from labkit.loss_modes import policy_loss_mode
+    from labkit.policy_losses import policy_loss_mode
 
     loss_type, extra, spec, clip, agg = case
     model, inputs, trl_loss, trl_grads = _trl_side(tmp_path, loss_type, **extra)
@@ -356,7 +356,7 @@ def test_top_entropy_masking_matches_trl_compute_loss(tmp_path):
     loss) == labkit's high_entropy_mask(entropy, mask, 0.5) as the token_weight of the vanilla
     loss, at TRL's grpo aggregation: the loss and every weight's gradient to 1e-6."""
     from labkit.losses import entropy
-    from labkit.loss_modes import high_entropy_mask, policy_loss_mode
+    from labkit.policy_losses import high_entropy_mask, policy_loss_mode
 
     model, inputs, trl_loss, trl_grads = _trl_side(tmp_path, "grpo", top_entropy_quantile=0.5)
     mask = inputs["completion_mask"]

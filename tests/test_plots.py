@@ -170,7 +170,7 @@ def test_loss_mode_weights_are_each_modes_gradient_weight():
     """The weight on grad log pi against the ratio: vanilla rho*A inside its clip and 0 where
     the clip cuts; cispo the clipped ratio everywhere; gpg A whatever the ratio."""
     fig = plots.loss_mode_weights(eps_low=0.2, eps_high=0.28, points=60)
-    from labkit.loss_modes import POLICY_LOSSES
+    from labkit.policy_losses import POLICY_LOSSES
 
     assert {t.name for t in fig.data} == set(POLICY_LOSSES)
     for a in (1.0, -1.0):

@@ -12,7 +12,7 @@ import yaml
 from labkit import lab
 from labkit.advantages import ESTIMATORS
 from labkit.lab.sweeps import load_sweep, run_sweep
-from labkit.loss_modes import POLICY_LOSSES
+from labkit.policy_losses import POLICY_LOSSES
 
 REPO = Path(__file__).resolve().parents[1]
 VARIANTS = REPO / "experiments" / "claims" / "10_variants.yaml"

@@ -302,10 +302,10 @@ def informative_prediction(group_sizes: Sequence[int], *, prompts: int = 128,
     """What independence predicts for the share of informative groups (rewards not all
     equal) at each G, at the start of training: `samples` (M) completions of each of
     `prompts` training prompts from the untrained policy, scored as a run with `fields`
-    (TrainConfig) scores them, then `labkit.diagnostics.informative_share` (each prompt's
+    (TrainConfig) scores them, then `labkit.estimator_quality.informative_share` (each prompt's
     own reward distribution, and the pooled one). {G: {"per_prompt", "at_mean"}}."""
     from labkit.diagnose import lm_sampler
-    from labkit.diagnostics import informative_share
+    from labkit.estimator_quality import informative_share
     from labkit.models import load
     from labkit.tasks import ProblemSource
 

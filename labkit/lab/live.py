@@ -101,7 +101,7 @@ class LivePlot:
         if not (config.diag_every and config.run_dir):
             return
         from labkit.diagnose import read_diagnostics
-        from labkit.diagnostics import flat_metrics
+        from labkit.estimator_quality import flat_metrics
 
         for record in read_diagnostics(config.run_dir):
             if record["step"] == 0:

@@ -121,12 +121,12 @@ def clipped_surrogate(*, eps_low: float = 0.2, eps_high: float = 0.28, dual_clip
 
 def loss_mode_weights(*, eps_low: float = 0.2, eps_high: float = 0.28, p_old: float = 0.3,
                       ratio_max: float = 3.0, points: int = 121) -> go.Figure:
-    """Every policy-loss mode of `labkit.loss_modes.POLICY_LOSSES` (default options) as the
+    """Every policy-loss mode of `labkit.policy_losses.POLICY_LOSSES` (default options) as the
     weight it puts on grad log pi of one token, -d loss / d logp, against the ratio rho, for
     A = +1 (left) and A = -1 (right). One token of old probability p_old (DPPO's regions
     depend on it); computed by autograd through `policy_loss_mode`, token-sum aggregation.
     Where a curve is 0 the token does not learn; vanilla's weight is rho A inside the clip."""
-    from labkit.loss_modes import POLICY_LOSSES, policy_loss_mode
+    from labkit.policy_losses import POLICY_LOSSES, policy_loss_mode
 
     ratios = [ratio_max * (k + 1) / points for k in range(points)]
     old = torch.full((1, 1), math.log(p_old), dtype=torch.float64)

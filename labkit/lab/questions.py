@@ -195,7 +195,7 @@ def _fires(rule, history: Sequence[dict], before: int | None = None) -> bool:
 def diagnostic_findings(rows: Sequence[dict],
                         histories: Mapping[str, Sequence[dict]]) -> list[Finding]:
     """Which baseline gives the cleaner gradient, from the PPO runs that measured estimator
-    diagnostics (`diag_every`; labkit.diagnostics: every estimator on the same samples of
+    diagnostics (`diag_every`; labkit.estimator_quality: every estimator on the same samples of
     the run's policy): per run the ratio of the critic's figure to the group mean's, at the
     first and at the last measurement, over runs (geometric mean, t interval of log ratios).
     Raw gradients (no std scaling, no whitening) compare the baselines themselves; the

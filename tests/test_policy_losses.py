@@ -1,4 +1,4 @@
-"""labkit.loss_modes: every policy-loss mode against its formula written as plain loops
+"""labkit.policy_losses: every policy-loss mode against its formula written as plain loops
 (float64, 1e-10), the stop-gradients against their analytic gradients, the option syntax,
 and one training step with each mode."""
 
@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from labkit import loss_modes as LM
+from labkit import policy_losses as LM
 from labkit.losses import AGG_MODES
 
 F64 = dict(rtol=1e-10, atol=1e-10)

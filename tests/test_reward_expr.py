@@ -1,4 +1,4 @@
-"""The rewards a run can be given (`TrainConfig.reward`, labkit.reward_specs), each against a
+"""The rewards a run can be given (`TrainConfig.reward`, labkit.reward_expr), each against a
 plain reference: strict against a regex on the last box, a weighted sum against the sum of
 its parts, noisy's flip rate against the binomial, and an import-path reward against the
 TRL keywords it must receive."""
@@ -10,8 +10,8 @@ import textwrap
 
 import pytest
 
-from labkit import reward_specs
-from labkit.reward_specs import (build, noisy, parse, reward_columns, score, spec_text,
+from labkit import reward_expr
+from labkit.reward_expr import (build, noisy, parse, reward_columns, score, spec_text,
                                  systematic)
 from labkit.rewards import RewardError, correctness, format_reward, strict
 from labkit.tasks import ArithmeticTask, Problem
@@ -178,7 +178,7 @@ def user_module(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     yield "user_rewards_for_test"
     sys.modules.pop("user_rewards_for_test", None)
-    reward_specs._built.cache_clear()
+    reward_expr._built.cache_clear()
 
 
 def test_an_import_path_reward_receives_the_trl_keywords(user_module):
