@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from scipy import stats as sps
 
-from labkit import stats
+from labkit import stats, stats_design
 
 RUNS = 2000
 LOW, HIGH, WRONG = 0.935, 0.965, 0.065
@@ -25,12 +25,12 @@ def _rng(k: int = 0) -> np.random.Generator:
                                           (3, 60, 2.41)])
 def test_dunnett_quantile_matches_the_published_table(k, df, table):
     """Dunnett (1964), two-sided 5% critical values, to the table's two decimals."""
-    assert stats.dunnett_quantile(k, df) == pytest.approx(table, abs=0.006)
+    assert stats_design.dunnett_quantile(k, df) == pytest.approx(table, abs=0.006)
 
 
 @pytest.mark.parametrize("df", [2, 4, 10, 44])
 def test_dunnett_with_one_arm_is_student_t(df):
-    assert stats.dunnett_quantile(1, df) == pytest.approx(sps.t.ppf(0.975, df), abs=1e-3)
+    assert stats_design.dunnett_quantile(1, df) == pytest.approx(sps.t.ppf(0.975, df), abs=1e-3)
 
 
 def test_dunnett_quantile_by_simulation():
@@ -39,24 +39,24 @@ def test_dunnett_quantile_by_simulation():
     u = rng.standard_normal((200_000, k + 1))
     s = np.sqrt(rng.chisquare(df, 200_000) / df)
     t = (u[:, 1:] - u[:, :1]) / math.sqrt(2) / s[:, None]
-    inside = (np.abs(t).max(axis=1) <= stats.dunnett_quantile(k, df)).mean()
+    inside = (np.abs(t).max(axis=1) <= stats_design.dunnett_quantile(k, df)).mean()
     assert inside == pytest.approx(0.95, abs=0.003)
 
 
 def test_holm_by_hand():
-    assert stats.holm([0.01, 0.04, 0.03, 0.005]) == pytest.approx([0.03, 0.06, 0.06, 0.02])
-    assert stats.holm([0.5, 0.9]) == [1.0, 1.0]
+    assert stats_design.holm([0.01, 0.04, 0.03, 0.005]) == pytest.approx([0.03, 0.06, 0.06, 0.02])
+    assert stats_design.holm([0.5, 0.9]) == [1.0, 1.0]
 
 
 def test_two_arms_against_one_is_the_paired_t_interval():
     a, b = [0.31, 0.42, 0.38, 0.29, 0.40], [0.30, 0.35, 0.33, 0.30, 0.31]
-    (only,) = stats.many_vs_one({"b": dict(enumerate(b)), "a": dict(enumerate(a))}, "b",
+    (only,) = stats_design.many_vs_one({"b": dict(enumerate(b)), "a": dict(enumerate(a))}, "b",
                                 adjust="none")
     paired = stats.paired_interval(a, b)
     assert (only.interval.mean, only.interval.low, only.interval.high) == pytest.approx(
         (paired.mean, paired.low, paired.high))
     assert only.p == pytest.approx(sps.ttest_rel(a, b).pvalue)
-    (dunnett,) = stats.many_vs_one({"b": dict(enumerate(b)), "a": dict(enumerate(a))}, "b")
+    (dunnett,) = stats_design.many_vs_one({"b": dict(enumerate(b)), "a": dict(enumerate(a))}, "b")
     assert dunnett.interval.low == pytest.approx(paired.low, abs=1e-4)
 
 
@@ -64,7 +64,7 @@ def test_many_vs_one_pools_the_residual_over_arms_and_seeds():
     """Against a plain two-way ANOVA: residual = y - arm mean - seed mean + grand mean."""
     y = _rng(2).normal(size=(4, 6)) + np.arange(6)  # 4 arms, 6 seeds, a seed effect
     table = {f"a{i}": dict(enumerate(row)) for i, row in enumerate(y)}
-    out = stats.many_vs_one(table, "a0", adjust="none")
+    out = stats_design.many_vs_one(table, "a0", adjust="none")
     resid = y - y.mean(1, keepdims=True) - y.mean(0, keepdims=True) + y.mean()
     se = math.sqrt((resid ** 2).sum() / (3 * 5) * 2 / 6)
     for i, c in enumerate(out, start=1):
@@ -76,21 +76,21 @@ def test_many_vs_one_pools_the_residual_over_arms_and_seeds():
 
 def test_many_vs_one_refuses_arms_on_other_seeds():
     with pytest.raises(ValueError, match="same seeds"):
-        stats.many_vs_one({"a": {0: 1.0, 1: 2.0}, "b": {0: 1.0, 2: 2.0}}, "a")
+        stats_design.many_vs_one({"a": {0: 1.0, 1: 2.0}, "b": {0: 1.0, 2: 2.0}}, "a")
     with pytest.raises(ValueError, match="baseline 'c'"):
-        stats.many_vs_one({"a": {0: 1.0, 1: 2.0}}, "c")
+        stats_design.many_vs_one({"a": {0: 1.0, 1: 2.0}}, "c")
 
 
 def test_mcnemar_exact_by_hand():
     """8 seeds where only a collapsed, 2 where only b: 2 P(X <= 2), X ~ Bin(10, 1/2)."""
     a = [1] * 8 + [0] * 2 + [1] * 3 + [0] * 2
     b = [0] * 8 + [1] * 2 + [1] * 3 + [0] * 2
-    found = stats.paired_binary(a, b)
+    found = stats_design.paired_binary(a, b)
     assert (found.only_a, found.only_b) == (8, 2)
     assert found.p == pytest.approx(2 * (1 + 10 + 45) / 1024)
     assert found.interval.mean == pytest.approx((11 - 5) / 15)
     assert found.interval.low < found.interval.mean < found.interval.high
-    swapped = stats.paired_binary(b, a)
+    swapped = stats_design.paired_binary(b, a)
     assert (swapped.interval.low, swapped.interval.high) == pytest.approx(
         (-found.interval.high, -found.interval.low))
 
@@ -118,15 +118,15 @@ def test_no_zero_width_interval_and_bounded_accuracies():
 def test_decide_reads_each_direction(interval, direction, margin, expected):
     low, high = interval
     found = stats.Interval((low + high) / 2, low, high, 5, "t")
-    assert stats.decide(found, direction, 0.0, margin) == expected
+    assert stats_design.decide(found, direction, 0.0, margin) == expected
 
 
 def test_decide_refuses_a_direction_it_does_not_know_and_equivalence_without_margin():
     found = stats.Interval(0.0, -1.0, 1.0, 5, "t")
     with pytest.raises(ValueError, match="direction must be one of"):
-        stats.decide(found, "more")
+        stats_design.decide(found, "more")
     with pytest.raises(ValueError, match="margin"):
-        stats.decide(found, "equivalent", 0.0)
+        stats_design.decide(found, "equivalent", 0.0)
 
 
 # --- simulations: coverage, and wrong verdicts under the null --------------------------------
@@ -150,11 +150,11 @@ def test_t_intervals_cover_at_their_level():
 def test_two_sided_and_tost_keep_their_error_rates():
     rng = _rng(4)
     null = rng.normal(0, 1, (RUNS, 5))
-    wrong_two_sided = np.mean([stats.decide(stats.paired_interval(x, np.zeros(5)),
+    wrong_two_sided = np.mean([stats_design.decide(stats.paired_interval(x, np.zeros(5)),
                                             "two-sided") == stats.SUPPORTED for x in null])
     # at the edge of the margin the effect is not equivalent: TOST calls it so <= alpha
     edge = rng.normal(0.5, 0.3, (RUNS, 8))
-    wrong_tost = np.mean([stats.decide(stats.tost_interval(stats.mean_interval, x),
+    wrong_tost = np.mean([stats_design.decide(stats_design.tost_interval(stats.mean_interval, x),
                                        "equivalent", 0.0, 0.5) == stats.SUPPORTED
                           for x in edge])
     assert wrong_two_sided <= WRONG and wrong_tost <= WRONG, (wrong_two_sided, wrong_tost)
@@ -171,12 +171,12 @@ def test_many_vs_one_controls_the_family_wise_error(adjust):
     for _ in range(RUNS):
         y = rng.normal(0, 1, (7, 5)) + rng.normal(0, 2, 5)
         table = {f"a{i}": dict(enumerate(row)) for i, row in enumerate(y)}
-        found = stats.many_vs_one(table, "a0", adjust=adjust)
+        found = stats_design.many_vs_one(table, "a0", adjust=adjust)
         wrong += any(c.p_adjusted < 0.05 for c in found)
         covered += all(c.interval.low <= 0 <= c.interval.high for c in found)
     assert wrong / RUNS <= WRONG
     assert LOW <= covered / RUNS <= (HIGH if adjust == "dunnett" else 1.0)
-    unadjusted = sum(any(c.p < 0.05 for c in stats.many_vs_one(
+    unadjusted = sum(any(c.p < 0.05 for c in stats_design.many_vs_one(
         {f"a{i}": dict(enumerate(row)) for i, row in enumerate(rng.normal(0, 1, (7, 5)))},
         "a0", adjust="none")) for _ in range(300)) / 300
     assert unadjusted > 0.15  # six tests at 5% each: the adjustment is what holds the rate
@@ -193,7 +193,7 @@ def test_paired_binary_keeps_its_level_and_covers():
             shared = rng.random(12)
             a = shared < pa if rng.random() < 0.5 else rng.random(12) < pa
             b = shared < pb
-            found = stats.paired_binary(a, b)
+            found = stats_design.paired_binary(a, b)
             wrong += pa == pb and found.p < 0.05
             covered += found.interval.low <= pa - pb <= found.interval.high
         assert wrong / RUNS <= WRONG and covered / RUNS >= LOW, (pa, pb, wrong, covered)
@@ -213,12 +213,12 @@ def test_clopper_pearson_covers():
 
 def test_the_spending_adds_up_and_the_early_looks_spend_less_with_obrien_fleming():
     for spending in ("pocock", "obrien-fleming"):
-        plan = stats.SequentialPlan((5, 10, 20), 0.05, spending)
+        plan = stats_design.SequentialPlan((5, 10, 20), 0.05, spending)
         assert sum(plan.spent()) == pytest.approx(0.05) and min(plan.spent()) > 0
-    late = stats.SequentialPlan(spending="obrien-fleming").spent()
+    late = stats_design.SequentialPlan(spending="obrien-fleming").spent()
     assert late[0] < late[1] < late[2]
     with pytest.raises(ValueError, match="looks must be increasing"):
-        stats.SequentialPlan((10, 5))
+        stats_design.SequentialPlan((10, 5))
 
 
 @pytest.mark.parametrize("spending", ["pocock", "obrien-fleming"])
@@ -226,27 +226,27 @@ def test_stopping_at_the_first_decided_look_keeps_the_error_rate(spending):
     """No effect: a claim that the effect lies above 0 (or differs from it) is called
     supported in <= 6.5% of experiments though it may stop at any of three looks; naive
     looks at 95% each call it more often."""
-    rng, plan = _rng(9), stats.SequentialPlan((5, 10, 20), 0.05, spending)
+    rng, plan = _rng(9), stats_design.SequentialPlan((5, 10, 20), 0.05, spending)
     null = rng.normal(0, 1, (RUNS, 20))
-    wrong = sum(stats.sequential_decide(x, plan, "two-sided").verdict == stats.SUPPORTED
+    wrong = sum(stats_design.sequential_decide(x, plan, "two-sided").verdict == stats.SUPPORTED
                 for x in null) / RUNS
-    naive = sum(any(stats.decide(stats.mean_interval(x[:n]), "two-sided") == stats.SUPPORTED
+    naive = sum(any(stats_design.decide(stats.mean_interval(x[:n]), "two-sided") == stats.SUPPORTED
                     for n in (5, 10, 20)) for x in null) / RUNS
     assert wrong <= WRONG and naive > wrong, (wrong, naive)
 
 
 def test_a_clear_effect_stops_early_and_says_at_how_many_seeds():
-    rng, plan = _rng(10), stats.SequentialPlan()
-    found = [stats.sequential_decide(x, plan, "above") for x in rng.normal(3.0, 1.0, (200, 20))]
+    rng, plan = _rng(10), stats_design.SequentialPlan()
+    found = [stats_design.sequential_decide(x, plan, "above") for x in rng.normal(3.0, 1.0, (200, 20))]
     assert all(f.verdict == stats.SUPPORTED for f in found)
     assert np.mean([f.seeds == 5 for f in found]) > 0.8
     with pytest.raises(ValueError, match="first look needs 5 seeds"):
-        stats.sequential_decide([1.0, 2.0], plan, "above")
+        stats_design.sequential_decide([1.0, 2.0], plan, "above")
 
 
 def test_seeds_needed_is_where_the_detectable_effect_meets_the_observed_one():
     interval = stats.mean_interval([0.5, -0.3, 1.2, 0.1, 0.9])
-    n = stats.seeds_needed(interval)
+    n = stats_design.seeds_needed(interval)
     sd = float(np.std([0.5, -0.3, 1.2, 0.1, 0.9], ddof=1))
     assert stats.min_detectable(sd, n) <= interval.mean < stats.min_detectable(sd, n - 1)
     # by simulation: at that many seeds the effect is found about 80% of the time

@@ -25,7 +25,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from labkit import stats
+from labkit import stats, stats_design
 
 CLAIMS_DIR = Path("experiments") / "claims"
 FINDINGS_PAGE = Path("docs") / "findings.md"
@@ -422,7 +422,7 @@ class ClaimVerdict:
 
 def claim_verdict(result: ClaimResult) -> ClaimVerdict:
     """The claim-level verdict: the preregistered primary measure read by
-    `labkit.stats.decide` from the findings whose question holds the preregistered `finding`
+    `labkit.stats_design.decide` from the findings whose question holds the preregistered `finding`
     words and the compared arms. Several such findings (one per G, say) must each support
     the claim for it to be supported, and refute it if any refutes it. Every arm against a
     baseline (`compare: [all, ...]`) is decided from the per-seed values together (Dunnett),
@@ -490,12 +490,12 @@ def _arm(table: dict, name: str) -> str | None:
     return next((a for a in table if a == name or a.endswith("/" + name)), None)
 
 
-def plan_of(prereg, looks: tuple[int, ...] | None = None) -> stats.SequentialPlan:
+def plan_of(prereg, looks: tuple[int, ...] | None = None) -> stats_design.SequentialPlan:
     """The looks a claim is read at: every 5 seeds up to the seeds it plans (5, 10 for 10),
-    the error rate spent over them (`stats.SequentialPlan`); `looks` where given instead."""
+    the error rate spent over them (`stats_design.SequentialPlan`); `looks` where given instead."""
     if looks is None:
         looks = tuple(range(5, prereg.seeds, 5)) + (prereg.seeds,)
-    return stats.SequentialPlan(looks)
+    return stats_design.SequentialPlan(looks)
 
 
 def _from_records(prereg, records: list[dict], looks: tuple[int, ...] | None = None
@@ -533,7 +533,7 @@ def _from_records(prereg, records: list[dict], looks: tuple[int, ...] | None = N
             f"{100 * interval.confidence:.2f}% ({interval.method})")
     more = ""
     if verdict == stats.INCONCLUSIVE and kind == "difference" and not every:
-        needed = stats.seeds_needed(interval, prereg.threshold)
+        needed = stats_design.seeds_needed(interval, prereg.threshold)
         more = f"about {needed} seeds" if needed else ""
     return f"{figure}; {look}", verdict, more
 
@@ -574,7 +574,7 @@ def _pair(kind: str, a: list[float], b: list[float], level: float,
     if kind == "ratio":
         return stats.ratio_interval(a, b, level)
     if kind == "binary":
-        return stats.paired_binary([x > 0.5 for x in a], [y > 0.5 for y in b], level).interval
+        return stats_design.paired_binary([x > 0.5 for x in a], [y > 0.5 for y in b], level).interval
     return stats.paired_interval(a, b, level, sd_floor=floor)
 
 
@@ -593,11 +593,11 @@ def _gain_floor(records: list[dict], measure: str) -> float:
 
 def _every_arm(prereg, table: dict, base: str, seeds: list[int],
                level: float) -> tuple[str, str, stats.Interval]:
-    """Every arm against `base` on `seeds`, together (`stats.many_vs_one`, Dunnett, at
+    """Every arm against `base` on `seeds`, together (`stats_design.many_vs_one`, Dunnett, at
     `level`): the claim that some arm differs (two-sided) or lies above or below holds when
     one arm's simultaneous interval does; it is refuted when every arm's refutes it."""
     shared = {arm: {s: values[s] for s in seeds} for arm, values in table.items()}
-    found = stats.many_vs_one(shared, base, confidence=level)
+    found = stats_design.many_vs_one(shared, base, confidence=level)
     verdicts = {c.arm: prereg.decide(c.interval) for c in found}
     if stats.SUPPORTED in verdicts.values():
         verdict = stats.SUPPORTED
@@ -620,7 +620,7 @@ def _mde(interval: stats.Interval) -> float | None:
     spread its t interval implies (half-width = t sd / sqrt(n)); None for another kind."""
     method = interval.method
     linear_t = ("paired t" in method or method.startswith("t-interval")) and "log" not in method
-    sd = stats.implied_sd(interval) if linear_t else None
+    sd = stats_design.implied_sd(interval) if linear_t else None
     return None if sd is None else stats.min_detectable(sd, interval.n, interval.confidence)
 
 

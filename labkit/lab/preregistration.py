@@ -9,12 +9,12 @@ sweep is loaded, before any run starts:
       compare: [rloo, grpo]  # for a measure between arms: the arm and the baseline (arms of
                              #   the sweep); `all` for every arm against the baseline
       finding: "gains more"  # optional: words of the decisive finding's question
-      direction: above       # above, below, two-sided or equivalent (labkit.stats.DIRECTIONS)
+      direction: above       # above, below, two-sided or equivalent (labkit.stats_design.DIRECTIONS)
       threshold: 0           # the article's magnitude where it gives one, else no effect
       margin: 1.0            # +- this counts as no difference: needed for equivalent
       seeds: 10              # seeds planned per arm (at least MIN_SEEDS)
 
-The claim-level verdict is the primary measure's, read by `labkit.stats.decide`; the claim's
+The claim-level verdict is the primary measure's, read by `labkit.stats_design.decide`; the claim's
 other findings are context. A claim is refused with one line naming the file, the claim and
 the field.
 """
@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from labkit import stats
+from labkit import stats, stats_design
 
 MEASURES = {
     "gain": "held-out accuracy gained, arm minus baseline, points",
@@ -73,7 +73,7 @@ class Preregistration:
 
     def decide(self, interval: stats.Interval) -> str:
         """The claim-level verdict from the primary measure's interval."""
-        return stats.decide(interval, self.direction, self.threshold, self.margin)
+        return stats_design.decide(interval, self.direction, self.threshold, self.margin)
 
 
 def check(claim: dict, where: str, arms: list[str] | None = None,
@@ -99,8 +99,8 @@ def check(claim: dict, where: str, arms: list[str] | None = None,
     if block["measure"] not in MEASURES:
         raise ValueError(f"{who}.measure: unknown measure {block['measure']!r}; measures: "
                          f"{', '.join(MEASURES)}")
-    if block["direction"] not in stats.DIRECTIONS:
-        raise ValueError(f"{who}.direction must be one of {list(stats.DIRECTIONS)}, got "
+    if block["direction"] not in stats_design.DIRECTIONS:
+        raise ValueError(f"{who}.direction must be one of {list(stats_design.DIRECTIONS)}, got "
                          f"{block['direction']!r}")
     numbers = {}
     for key in ("threshold", "margin"):
