@@ -10,7 +10,7 @@ import yaml
 from cli import in_process
 
 from labkit import stats
-from labkit.lab import findings, preregistration
+from labkit.lab import claims, findings, preregistration
 from labkit.lab.sweeps import load_sweep
 
 REPO = Path(__file__).resolve().parents[1]
@@ -75,9 +75,9 @@ def test_a_claim_without_a_preregistration_is_refused(tmp_path):
         load_sweep(path)
 
 
-def _result(prereg: dict, rows: list[dict]) -> findings.ClaimResult:
+def _result(prereg: dict, rows: list[dict]) -> claims.ClaimResult:
     claim = {"id": 6, "statement": "s", "preregistered": {"article": "a", "seeds": 5, **prereg}}
-    return findings.ClaimResult(Path("06.yaml"), claim, rows=rows)
+    return claims.ClaimResult(Path("06.yaml"), claim, rows=rows)
 
 
 def _row(question: str, low: float, high: float, n: int = 5) -> dict:
@@ -90,7 +90,7 @@ def test_the_claim_is_decided_by_its_primary_measure_alone():
               "direction": "above", "threshold": 0}
     rows = [_row("acc90 gains more held-out accuracy than verifier", 1.0, 3.0),
             _row("acc75 gains more held-out accuracy than verifier", -2.0, -0.5)]
-    decided = findings.claim_verdict(_result(prereg, rows))
+    decided = claims.claim_verdict(_result(prereg, rows))
     assert decided.verdict == stats.REFUTED  # acc90's support is context, not the claim
     assert decided.figure.startswith("acc75 gains more") and "acc90" not in decided.figure
     assert decided.test == "gain (acc75 vs verifier) above 0"
@@ -102,15 +102,15 @@ def test_several_primary_rows_must_each_hold_and_all_arms_need_the_per_seed_reco
     prereg = {"measure": "informative_share_error", "finding": "overstates",
               "direction": "equivalent", "threshold": 0, "margin": 5.0}
     inside = [_row(f"at G={g}, the formula overstates", -2.0, 2.0) for g in (2, 4)]
-    assert findings.claim_verdict(_result(prereg, inside)).verdict == stats.SUPPORTED
+    assert claims.claim_verdict(_result(prereg, inside)).verdict == stats.SUPPORTED
     wide = inside + [_row("at G=8, the formula overstates", -1.0, 7.0)]
-    assert findings.claim_verdict(_result(prereg, wide)).verdict == stats.INCONCLUSIVE
+    assert claims.claim_verdict(_result(prereg, wide)).verdict == stats.INCONCLUSIVE
     out = wide + [_row("at G=16, the formula overstates", 6.0, 9.0)]
-    assert findings.claim_verdict(_result(prereg, out)).verdict == stats.REFUTED
-    assert findings.claim_verdict(_result(prereg, [])).figure == findings.NOT_MEASURED
+    assert claims.claim_verdict(_result(prereg, out)).verdict == stats.REFUTED
+    assert claims.claim_verdict(_result(prereg, [])).figure == claims.NOT_MEASURED
     every = {"measure": "gain", "compare": ["all", "grpo"], "direction": "above", "threshold": 0}
-    decided = findings.claim_verdict(_result(every, inside))
-    assert findings.PER_SEED in decided.figure and decided.verdict == stats.INCONCLUSIVE
+    decided = claims.claim_verdict(_result(every, inside))
+    assert claims.PER_SEED in decided.figure and decided.verdict == stats.INCONCLUSIVE
 
 
 # --- the per-seed record: the durable data a claim is decided from -----------------------------
@@ -139,13 +139,13 @@ def test_a_pair_is_decided_from_the_per_seed_record_with_the_evaluation_floor():
     prereg = {"measure": "gain", "compare": ["acc75", "verifier"], "direction": "above",
               "threshold": 0}
     same = _records({"acc75": [0.30] * 5, "verifier": [0.30] * 5})
-    decided = findings.claim_verdict(findings.ClaimResult(
+    decided = claims.claim_verdict(claims.ClaimResult(
         Path("06.yaml"), _result(prereg, []).claim, records=same))
     # seeds that agree exactly: the floor of the evaluation's noise keeps an interval
     assert decided.verdict == stats.INCONCLUSIVE and "floored" in decided.figure
     better = _records({"acc75": [0.36, 0.35, 0.37, 0.36, 0.38], "verifier": [0.30] * 5})
-    result = findings.ClaimResult(Path("06.yaml"), _result(prereg, []).claim, records=better)
-    assert findings.claim_verdict(result).verdict == stats.SUPPORTED
+    result = claims.ClaimResult(Path("06.yaml"), _result(prereg, []).claim, records=better)
+    assert claims.claim_verdict(result).verdict == stats.SUPPORTED
 
 
 def test_every_arm_against_one_is_decided_together_by_dunnett():
@@ -155,12 +155,12 @@ def test_every_arm_against_one_is_decided_together_by_dunnett():
     two_sided = {"measure": "gain", "compare": ["all", "grpo"], "direction": "two-sided",
                  "threshold": 0, "margin": 2.0}
     claim = _result(two_sided, []).claim
-    same = findings.claim_verdict(findings.ClaimResult(Path("09.yaml"), claim,
+    same = claims.claim_verdict(claims.ClaimResult(Path("09.yaml"), claim,
                                                        records=_records(arms)))
     assert same.verdict == stats.REFUTED and "3 arms vs grpo, Dunnett" in same.figure
     assert "5 seeds, look 1 of 1" in same.figure  # the plan's 5 seeds, not the 6 run
     arms["rloo"] = [v + 0.05 for v in arms["rloo"]]
-    moved = findings.claim_verdict(findings.ClaimResult(Path("09.yaml"), claim,
+    moved = claims.claim_verdict(claims.ClaimResult(Path("09.yaml"), claim,
                                                         records=_records(arms)))
     assert moved.verdict == stats.SUPPORTED and "rloo" in moved.figure
 
@@ -169,7 +169,7 @@ def test_a_paired_collapse_is_decided_by_its_exact_test():
     prereg = {"measure": "collapse_difference", "compare": ["kl0", "kl01"],
               "direction": "above", "threshold": 0}
     records = _records({"kl0": [1] * 10, "kl01": [0] * 10}, key="collapsed")
-    decided = findings.claim_verdict(findings.ClaimResult(
+    decided = claims.claim_verdict(claims.ClaimResult(
         Path("04.yaml"), _result(prereg, []).claim, records=records))
     assert decided.verdict == stats.SUPPORTED and "McNemar" in decided.figure
 
@@ -196,7 +196,7 @@ def test_findings_all_runs_each_claims_batches_until_it_is_decided(tmp_path, mon
                  i + 1 == len(batches) or batches[i + 1][0] != b[0]) else [])]
     assert ran == order and ("claim02_baselines", (0, 5)) in ran
     ran.clear()
-    decided = findings.ClaimVerdict("t", "f", stats.SUPPORTED)
+    decided = claims.ClaimVerdict("t", "f", stats.SUPPORTED)
     monkeypatch.setattr(labkit.lab.findings, "claim_verdict", lambda result: decided)
     assert in_process(*argv).returncode == 0
     assert ran == [b for p in CLAIMS for b in [(load_sweep(p).name, (0,))] + (
@@ -213,15 +213,15 @@ def test_a_claim_is_read_at_each_look_of_its_plan_and_says_what_more_seeds_would
     claim = _result({"measure": "gain", "compare": ["a", "b"], "direction": "above",
                      "threshold": 0}, []).claim
     claim["preregistered"]["seeds"] = 10
-    assert findings.plan_of(preregistration.check(claim, "x", ["a", "b"])).looks == (5, 10)
+    assert claims.plan_of(preregistration.check(claim, "x", ["a", "b"])).looks == (5, 10)
     clear = _records({"a": [0.40, 0.41, 0.42, 0.40, 0.43, 0.2, 0.2, 0.2, 0.2, 0.2],
                       "b": [0.30] * 10})
-    decided = findings.claim_verdict(findings.ClaimResult(Path("x.yaml"), claim,
+    decided = claims.claim_verdict(claims.ClaimResult(Path("x.yaml"), claim,
                                                           records=clear))
     assert decided.verdict == stats.SUPPORTED and "5 seeds, look 1 of 2" in decided.figure
     noisy = _records({"a": [0.36, 0.28, 0.35, 0.30, 0.33, 0.29, 0.34, 0.31, 0.36, 0.29],
                       "b": [0.30] * 10})
-    undecided = findings.claim_verdict(findings.ClaimResult(Path("x.yaml"), claim,
+    undecided = claims.claim_verdict(claims.ClaimResult(Path("x.yaml"), claim,
                                                             records=noisy))
     assert undecided.verdict == stats.INCONCLUSIVE and "10 seeds, look 2 of 2" in \
         undecided.figure
@@ -253,12 +253,12 @@ def test_a_ratio_within_each_run_is_decided_from_the_per_seed_record():
     result = _result({"measure": "grad_rel_var_ratio", "direction": "above",
                       "threshold": 2.7, "seeds": 10}, [])
     result.records = records
-    decided = findings.claim_verdict(result)
-    plan = findings.plan_of(preregistration.check(result.claim, "x"))
+    decided = claims.claim_verdict(result)
+    plan = claims.plan_of(preregistration.check(result.claim, "x"))
     want = stats.ratio_interval(critic[:5], rloo[:5], plan.confidence(0, "above"))
     assert decided.verdict == stats.REFUTED and "look 1 of 2" in decided.figure
     assert f"ppo: ppo_critic / rloo {want.format(2)}" in decided.figure
     result.records = records[:3]  # short of the first look
-    assert findings.claim_verdict(result).verdict == stats.INCONCLUSIVE
+    assert claims.claim_verdict(result).verdict == stats.INCONCLUSIVE
     result.records = [{k: v for k, v in r.items() if "rloo" not in k} for r in records]
-    assert findings.claim_verdict(result).figure == findings.NOT_MEASURED  # no such figure
+    assert claims.claim_verdict(result).figure == claims.NOT_MEASURED  # no such figure

@@ -1,0 +1,269 @@
+"""A claim's result and its verdict: what its finished runs found, decided once by the
+primary measure its `preregistered:` block names.
+
+`ClaimResult` holds a claim sweep's findings and per-seed record; `claim_verdict` decides
+it: from the per-seed record where the measure is one of PER_SEED_MEASURES (paired by
+seed; every arm against a baseline together, Dunnett), else from the findings its
+`finding:` words pick (`labkit.lab.findings` collects them, `labkit.lab.findings_page`
+writes the page).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from labkit import stats, stats_design
+from labkit.lab import preregistration
+
+
+@dataclass
+class ClaimResult:
+    """What the finished runs of one claim sweep found."""
+
+    file: Path
+    claim: dict
+    rows: list[dict] = field(default_factory=list)
+    machines: set[str] = field(default_factory=set)
+    commits: set[str] = field(default_factory=set)
+    runs_done: int = 0
+    runs_total: int = 0
+    compute_s: float = 0.0
+    elapsed_s: float = 0.0
+    """Wall time of the sweep's notebook runs (papermill's duration), the time a user waits."""
+    records: list[dict] = field(default_factory=list)
+    """The per-seed record: one row per training run (sweep run, arm, seed and every figure
+    its notebook summarised), from the finished runs or, without them, the claim file's CSV
+    (`write_records`)."""
+    replication: tuple[int, ...] = ()
+    """For the replication of a claim (its file's `replication:` seeds, never run for the
+    original): those first seeds; () for the original."""
+    looks: tuple[int, ...] | None = None
+    """The looks the claim is read at where not its plan's (`plan_of`): a replication is
+    read once, at all its seeds."""
+
+    @property
+    def record_name(self) -> str:
+        """The per-seed CSV's file name: <claim file>.csv, <claim file>-replication.csv."""
+        return f"{self.file.stem}{'-replication' * bool(self.replication)}.csv"
+
+
+NOT_MEASURED = "not measured yet"
+PER_SEED = "needs the per-seed record"
+
+
+@dataclass(frozen=True)
+class ClaimVerdict:
+    """A claim decided by its preregistered primary measure (labkit.lab.preregistration)."""
+
+    test: str
+    """The preregistered test in words."""
+    figure: str
+    """The decisive figure with its interval, or why there is none."""
+    verdict: str
+    mde: str = ""
+    """For a finding's interval: the smallest effect its seeds detect with 80% power; for an
+    undecided claim read from its per-seed record: the seeds its observed effect needs."""
+
+
+def claim_verdict(result: ClaimResult) -> ClaimVerdict:
+    """The claim-level verdict: the preregistered primary measure read by
+    `labkit.stats_design.decide` from the findings whose question holds the preregistered `finding`
+    words and the compared arms. Several such findings (one per G, say) must each support
+    the claim for it to be supported, and refute it if any refutes it. Every arm against a
+    baseline (`compare: [all, ...]`) is decided from the per-seed values together (Dunnett),
+    which the stored intervals cannot give."""
+    prereg = preregistration.check(result.claim, result.file.name, check_arms=False)
+    test = prereg.describe()
+    within = PER_SEED_MEASURES.get(prereg.measure, ("", 0, ""))[2] == "within"
+    if prereg.measure in PER_SEED_MEASURES and (prereg.compare or within) and result.records:
+        decided = _from_records(prereg, result.records, result.looks)
+        if decided is not None:
+            figure, verdict, more = decided
+            return ClaimVerdict(test, figure, verdict, more)
+    if prereg.compare[:1] == ("all",):
+        return ClaimVerdict(test, f"{PER_SEED} (every arm against {prereg.compare[1]}, "
+                                  "Dunnett)", stats.INCONCLUSIVE)
+    words = [prereg.finding] if prereg.finding else []
+    rows = [row for row in result.rows
+            if all(w in row["question"] for w in words + list(prereg.compare))]
+    if not words and not prereg.compare or not rows:
+        return ClaimVerdict(test, NOT_MEASURED, stats.INCONCLUSIVE)
+    verdicts, figures, mdes = [], [], []
+    for row in rows:
+        interval = stats.Interval(row["mean"], _nan(row["low"]), _nan(row["high"]),
+                                  row["seeds"], row["method"])
+        verdicts.append(prereg.decide(interval))
+        figures.append(f"{row['question']}: {row['effect']}")
+        mde = _mde(interval)
+        if mde is not None:
+            mdes.append(f"{mde:.3g}")
+    if all(v == stats.SUPPORTED for v in verdicts):
+        verdict = stats.SUPPORTED
+    elif stats.REFUTED in verdicts:
+        verdict = stats.REFUTED
+    else:
+        verdict = stats.INCONCLUSIVE
+    return ClaimVerdict(test, "; ".join(figures), verdict, ", ".join(mdes))
+
+
+PER_SEED_MEASURES = {"gain": ("gain", 100.0, "difference"),
+                     "final_length": ("length_final", 1.0, "difference"),
+                     "memory_ratio": ("mem_mb", 1.0, "ratio"),
+                     "step_time_ratio": ("step_s", 1.0, "ratio"),
+                     "collapse_difference": ("collapsed", 1.0, "binary"),
+                     "grad_rel_var_ratio": (("diag.grad_rel_var_raw.ppo_critic",
+                                             "diag.grad_rel_var_raw.rloo"), 1.0, "within")}
+"""The primary measures a claim's per-seed record decides: measure -> (the record's
+figure, its scale (gain in points), how two arms compare); a "within" measure is the ratio
+of two figures of one run (numerator, denominator), over the seeds of the compared arm (or
+of the record's one arm)."""
+
+
+def _table(records: list[dict], key: str, scale: float) -> dict[str, dict[int, float]]:
+    """arm -> seed -> scale * the figure `key`, for the records that have it."""
+    out: dict[str, dict[int, float]] = {}
+    for r in records:
+        if isinstance(r.get(key), (int, float)) and math.isfinite(r[key]):
+            out.setdefault(r["arm"], {})[r["seed"]] = scale * r[key]
+    return out
+
+
+def _arm(table: dict, name: str) -> str | None:
+    """The record's arm that a preregistered name means ('G=4' is 'samples/G=4')."""
+    return next((a for a in table if a == name or a.endswith("/" + name)), None)
+
+
+def plan_of(prereg, looks: tuple[int, ...] | None = None) -> stats_design.SequentialPlan:
+    """The looks a claim is read at: every 5 seeds up to the seeds it plans (5, 10 for 10),
+    the error rate spent over them (`stats_design.SequentialPlan`); `looks` where given instead."""
+    if looks is None:
+        looks = tuple(range(5, prereg.seeds, 5)) + (prereg.seeds,)
+    return stats_design.SequentialPlan(looks)
+
+
+def _from_records(prereg, records: list[dict], looks: tuple[int, ...] | None = None
+                  ) -> tuple[str, str, str] | None:
+    """(figure, verdict, what more seeds would do) of the primary measure from the per-seed
+    record, read at each look of the claim's plan that its seeds reach and stopped at the
+    first decided one; None where the record lacks the compared arms."""
+    key, scale, kind = PER_SEED_MEASURES[prereg.measure]
+    if kind == "within":
+        return _within(prereg, records, *key, looks=looks)
+    table = _table(records, key, scale)
+    base = _arm(table, prereg.compare[1])
+    every = prereg.compare[0] == "all"
+    arm = None if every else _arm(table, prereg.compare[0])
+    if base is None or (not every and arm is None):
+        return None
+    arms = list(table) if every else [base, arm]
+    seeds = sorted(set.intersection(*(set(table[a]) for a in arms)))
+    plan = plan_of(prereg, looks)
+    if len(seeds) < plan.looks[0]:
+        return (f"{len(seeds)} shared seeds, short of the first look's {plan.looks[0]}",
+                stats.INCONCLUSIVE, "")
+
+    def read(n: int, k: int) -> tuple[str, tuple[str, stats.Interval]]:
+        first, level = seeds[:n], plan.confidence(k, prereg.direction)
+        if every:
+            figure, verdict, interval = _every_arm(prereg, table, base, first, level)
+            return verdict, (figure, interval)
+        interval = _pair(kind, [table[arm][s] for s in first], [table[base][s] for s in first],
+                         level, _gain_floor(records, prereg.measure))
+        return prereg.decide(interval), (f"{arm} vs {base}: {interval.format(2)}", interval)
+
+    k, verdict, (figure, interval) = plan.run(len(seeds), read)
+    look = (f"{plan.looks[k]} seeds, look {k + 1} of {len(plan.looks)} at "
+            f"{100 * interval.confidence:.2f}% ({interval.method})")
+    more = ""
+    if verdict == stats.INCONCLUSIVE and kind == "difference" and not every:
+        needed = stats_design.seeds_needed(interval, prereg.threshold)
+        more = f"about {needed} seeds" if needed else ""
+    return f"{figure}; {look}", verdict, more
+
+
+def _within(prereg, records: list[dict], top: str, bottom: str,
+            looks: tuple[int, ...] | None = None) -> tuple[str, str, str] | None:
+    """A ratio of two figures of each run (`top` / `bottom`), over seeds: the log-ratio t
+    interval, read at the looks of the claim's plan. The arm is the compared one, or the
+    record's only arm; None where the record lacks the figures."""
+    arms = sorted({r["arm"] for r in records if top in r and bottom in r})
+    arm = prereg.compare[0] if prereg.compare else (arms[0] if len(arms) == 1 else None)
+    pairs = {r["seed"]: (r[top], r[bottom]) for r in records
+             if r["arm"] == arm and top in r and bottom in r}
+    if arm is None or not pairs:
+        return None
+    seeds = sorted(pairs)
+    plan = plan_of(prereg, looks)
+    if len(seeds) < plan.looks[0]:
+        return (f"{len(seeds)} seeds, short of the first look's {plan.looks[0]}",
+                stats.INCONCLUSIVE, "")
+
+    def read(n: int, k: int) -> tuple[str, tuple[str, stats.Interval]]:
+        first = seeds[:n]
+        interval = stats.ratio_interval([pairs[s][0] for s in first],
+                                        [pairs[s][1] for s in first],
+                                        plan.confidence(k, prereg.direction))
+        return prereg.decide(interval), (f"{arm}: {top.split('.')[-1]} / "
+                                         f"{bottom.split('.')[-1]} {interval.format(2)}",
+                                         interval)
+
+    k, verdict, (figure, interval) = plan.run(len(seeds), read)
+    return (f"{figure}; {plan.looks[k]} seeds, look {k + 1} of {len(plan.looks)} at "
+            f"{100 * interval.confidence:.2f}% ({interval.method})", verdict, "")
+
+
+def _pair(kind: str, a: list[float], b: list[float], level: float,
+          floor: float) -> stats.Interval:
+    if kind == "ratio":
+        return stats.ratio_interval(a, b, level)
+    if kind == "binary":
+        return stats_design.paired_binary([x > 0.5 for x in a], [y > 0.5 for y in b], level).interval
+    return stats.paired_interval(a, b, level, sd_floor=floor)
+
+
+def _gain_floor(records: list[dict], measure: str) -> float:
+    """The least spread of a per-seed gain difference, in points: the held-out evaluation's
+    own binomial noise on both arms, sqrt(2) * sqrt(p (1 - p) / eval_n)."""
+    if measure != "gain":
+        return 0.0
+    found = [(r["accuracy_after"], r["eval_n"]) for r in records
+             if isinstance(r.get("accuracy_after"), (int, float)) and r.get("eval_n")]
+    if not found:
+        return 0.0
+    p = sum(a for a, _ in found) / len(found)
+    return 100 * math.sqrt(2) * stats.binomial_se(p, int(min(n for _, n in found)))
+
+
+def _every_arm(prereg, table: dict, base: str, seeds: list[int],
+               level: float) -> tuple[str, str, stats.Interval]:
+    """Every arm against `base` on `seeds`, together (`stats_design.many_vs_one`, Dunnett, at
+    `level`): the claim that some arm differs (two-sided) or lies above or below holds when
+    one arm's simultaneous interval does; it is refuted when every arm's refutes it."""
+    shared = {arm: {s: values[s] for s in seeds} for arm, values in table.items()}
+    found = stats_design.many_vs_one(shared, base, confidence=level)
+    verdicts = {c.arm: prereg.decide(c.interval) for c in found}
+    if stats.SUPPORTED in verdicts.values():
+        verdict = stats.SUPPORTED
+    elif all(v == stats.REFUTED for v in verdicts.values()):
+        verdict = stats.REFUTED
+    else:
+        verdict = stats.INCONCLUSIVE
+    top = max(found, key=lambda c: abs(c.interval.mean - prereg.threshold))
+    shown = next((c for c in found if verdicts[c.arm] == stats.SUPPORTED), top)
+    return (f"{len(found)} arms vs {base}, Dunnett; {shown.arm}: {shown.interval.format(2)}",
+            verdict, shown.interval)
+
+
+def _nan(value) -> float:
+    return math.nan if value is None else float(value)
+
+
+def _mde(interval: stats.Interval) -> float | None:
+    """The smallest difference `stats.min_detectable` finds at the interval's seeds, from the
+    spread its t interval implies (half-width = t sd / sqrt(n)); None for another kind."""
+    method = interval.method
+    linear_t = ("paired t" in method or method.startswith("t-interval")) and "log" not in method
+    sd = stats_design.implied_sd(interval) if linear_t else None
+    return None if sd is None else stats.min_detectable(sd, interval.n, interval.confidence)
