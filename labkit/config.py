@@ -6,26 +6,23 @@ the PPO block the critic. Derived values are properties, never fields filled in 
 
 The checks come from the annotations (`labkit.fields`): a `Literal` lists a field's
 choices, a registry (`choice`) the functions it may name, `bounded` its numeric bounds, the
-type hint its type; the other rules are written by hand in the `_check_*` methods.
+type hint its type; the other rules are written by hand in `labkit.config_checks`.
 Whether this machine has what the config names (a model folder, a GSM8K file, CUDA) is
-`preflight`'s question, asked by the trainer before it makes or loads anything.
+`labkit.preflight`'s question, asked by the trainer before it makes or loads anything.
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import asdict, dataclass, fields
-from pathlib import Path
 from typing import Literal
 
-from labkit import grammar, stops
-from labkit.advantages import ESTIMATORS, NEEDS, Scale
+from labkit import config_checks, trackers
+from labkit.advantages import ESTIMATORS, Scale
 from labkit.fields import base_types, bounded, check, choice, choices, docs
+from labkit.losses import AGG_MODES, Level
+from labkit.models import SCRATCHPAD_NAME
 from labkit.policy_losses import LOSS_SPECS
-from labkit.losses import AGG_MODES, Level, normaliser_of
-from labkit.models import EMBEDDED, SCRATCHPAD_NAME
 from labkit.reward_expr import REWARD_SPECS, spec_text
-from labkit.tasks import ENUMERABLE, ArithmeticTask
 
 
 ALGO_LR = {"grpo": 1e-3, "ppo": 5e-4}
@@ -321,142 +318,9 @@ class TrainConfig:
             self.estimator = "gae" if self.algo == "ppo" else "grpo"
         if self.scratchpad and self.model is None:
             self.model = SCRATCHPAD_NAME
-        from labkit import trackers
-
         self.report_to = ",".join(trackers.parse(self.report_to)) or "none"
         check(self)
-        self._check_ranges()
-        self._check_task()
-        self._check_combinations()
-        self._check_stop_rules()
-
-    def _check_ranges(self) -> None:
-        """The ranges no annotation states: the seed's, and GRPO's group size."""
-        if not -2**32 < self.seed < 2**32:
-            raise ValueError(f"seed must be an integer with |seed| < 2**32 (each step's seed is "
-                             f"seed * 1000003 + step, which a generator must accept), got "
-                             f"{self.seed!r}")
-        if self.algo == "grpo" and self.group_size < 2:
-            raise ValueError(f"group_size must be >= 2: GRPO needs group_size >= 2 to compare "
-                             f"completions, got {self.group_size}")
-
-    def _check_combinations(self) -> None:
-        """The device's spelling and the rules between fields."""
-        if self.device is not None and not re.fullmatch(r"(cpu|cuda|mps)(:\d+)?", self.device):
-            raise ValueError(f"device must be 'cpu', 'cuda', 'cuda:N' or 'mps' (or None), got "
-                             f"{self.device!r}")
-        if self.reinforce and (self.num_iterations != 1 or self.minibatches != 1):
-            raise ValueError("reinforce=True is one on-policy update per batch: it needs "
-                             "num_iterations=1 and minibatches=1")
-        if self.loss != "vanilla" and (self.reinforce or self.dual_clip is not None
-                                       or self.ratio_level != "token"):
-            raise ValueError(f"loss={self.loss!r} is its own objective: reinforce, dual_clip "
-                             "and ratio_level='sequence' apply to loss='vanilla' (or take "
-                             "loss='gpg', 'dual_clip' or 'gspo')")
-        if (self.reject_low is None) != (self.reject_high is None) or (
-                self.reject_low is not None and self.reject_low > self.reject_high):
-            raise ValueError("reject_low and reject_high come together, with reject_low <= "
-                             f"reject_high, got {self.reject_low!r}, {self.reject_high!r}")
-        if self.sampler_precision == "bf16" and self.precision == "bf16":
-            raise ValueError("sampler_precision='bf16' makes a mismatch with an fp32 learner; "
-                             "precision='bf16' would sample and learn alike (use fp32 or auto)")
-        if self.mismatch_low is not None and self.mismatch_low > self.mismatch_cap:
-            raise ValueError(f"mismatch_low={self.mismatch_low} must be <= mismatch_cap="
-                             f"{self.mismatch_cap}")
-        if self.overlong_buffer > self.max_new_tokens:
-            raise ValueError(f"overlong_buffer={self.overlong_buffer} must be <= "
-                             f"max_new_tokens={self.max_new_tokens}: the penalty zone is the "
-                             "end of the budget")
-        if self.lora_rank and not grammar.items(self.lora_targets, "lora_targets"):
-            raise ValueError("lora_targets must name at least one layer (comma-separated), "
-                             f"got {self.lora_targets!r}")
-        if self.kl_target is not None and self.beta == 0:
-            raise ValueError("kl_target adapts beta: it needs beta > 0 (its starting value)")
-        if self.reinforce and self.algo != "grpo":
-            raise ValueError("reinforce applies to algo='grpo' (group baselines), not ppo")
-        self._check_estimator()
-        if self.dynamic_sampling and self.algo != "grpo":
-            raise ValueError("dynamic_sampling applies to algo='grpo' (it drops groups of equal "
-                             "rewards), not ppo")
-        if self.rows % self.minibatches:
-            raise ValueError(f"minibatches={self.minibatches} must divide the batch_prompts * "
-                             f"group_size = {self.rows} rows of a step")
-        if self.diag_every and self.diag_prompts > self.eval_n:
-            raise ValueError(f"diag_prompts={self.diag_prompts} must be <= eval_n="
-                             f"{self.eval_n}: the diagnostics measure held-out problems")
-        if (self.rows // self.minibatches) % self.grad_accum:
-            raise ValueError(f"grad_accum={self.grad_accum} must divide the "
-                             f"{self.rows // self.minibatches} rows of a minibatch")
-        if self.grad_accum > 1:  # its micro-batches are weighed by what the mode divides by
-            normaliser_of(self.agg)
-
-    def _check_estimator(self) -> None:
-        """An estimator that reads a critic's values is PPO's; any other is GRPO's; and it
-        needs only inputs a trainer can compute (`labkit.advantages.NEEDS`)."""
-        needs = ESTIMATORS.needs(self.estimator)
-        unknown = [n for n in needs if n not in NEEDS]
-        if unknown:
-            raise ValueError(f"estimator={self.estimator!r} needs {unknown}, which no trainer "
-                             f"computes (known: {list(NEEDS)})")
-        if "values" in needs and self.algo != "ppo":
-            raise ValueError(f"estimator={self.estimator!r} reads a critic's values: it needs "
-                             "algo='ppo'")
-        if self.algo == "ppo" and "values" not in needs:
-            raise ValueError(f"algo='ppo' trains a critic for its advantages (estimator 'gae'); "
-                             f"estimator={self.estimator!r} needs no critic: use algo='grpo'")
-
-    def _check_task(self) -> None:
-        """The task's own rules (digits 1..9, operands 2..8, ops), checked now rather than
-        when the problems are drawn, after the model has loaded."""
-        if not self.ops or any(op not in "+-*" for op in self.ops):
-            raise ValueError(f"ops must be a non-empty string of '+', '-', '*', got {self.ops!r}")
-        if self.task == "code":
-            if not self.code_path:
-                raise ValueError("code_path is required with task='code': a local HumanEval- "
-                                 "or MBPP-format .jsonl or .jsonl.gz")
-            if "code" not in self.reward:
-                raise ValueError(f"task='code' is scored by running its tests: reward must "
-                                 f"include 'code', got {self.reward!r}")
-            if self.gsm8k_path is not None or self.scratchpad:
-                raise ValueError("gsm8k_path and scratchpad are not read with task='code'")
-            return
-        if self.code_path is not None:
-            raise ValueError(f"code_path={self.code_path!r} is only read with task='code' "
-                             f"(task is {self.task!r}): add task='code' or drop code_path")
-        if self.task == "gsm8k":
-            if self.scratchpad:
-                raise ValueError("scratchpad=True is for task='arithmetic' (GSM8K's worked "
-                                 "solutions are its own): drop scratchpad")
-            if not self.gsm8k_path:
-                raise ValueError("gsm8k_path is required with task='gsm8k': a local jsonl with "
-                                 "'question' and 'answer' fields")
-            return
-        if self.gsm8k_path is not None:
-            raise ValueError(f"gsm8k_path={self.gsm8k_path!r} is only read with task='gsm8k' "
-                             f"(task is {self.task!r}): add task='gsm8k' or drop gsm8k_path")
-        task = ArithmeticTask(digits=self.digits, operands=self.operands, ops=self.ops,
-                              min_operands=self.min_operands, scratchpad=self.scratchpad)
-        if self.scratchpad and self.model in EMBEDDED:
-            # the embedded models read and write one character per token, EOS one more
-            need = len(task.longest_target()) + 1
-            if self.max_new_tokens < need:
-                raise ValueError(f"max_new_tokens={self.max_new_tokens} cannot hold this task's "
-                                 f"longest worked solution ({need} tokens with EOS, "
-                                 f"{task.longest_target()!r}): raise max_new_tokens to >= {need}")
-        if task.num_problems <= ENUMERABLE:
-            held_out, about = task.split_size("test"), ""
-        else:
-            held_out, about = int(0.9 * task.split_size("test")), "about "
-        if self.eval_n > held_out:
-            raise ValueError(f"eval_n={self.eval_n} distinct held-out problems asked, but the "
-                             f"held-out split of digits={self.digits}, operands={self.operands} "
-                             f"holds {about}{held_out}: lower eval_n or raise digits")
-
-    def _check_stop_rules(self) -> None:
-        for rule in stops.parse(self.stop_rules):
-            why = stops.never_logged(rule, self)
-            if why:
-                raise ValueError(f"stop_rules: '{rule}' could never fire: {why}")
+        config_checks.check_rules(self)
 
     @property
     def rows(self) -> int:
@@ -509,66 +373,6 @@ class TrainConfig:
         if unknown:
             raise ValueError(f"unknown config field(s) {unknown}; valid fields: {sorted(known)}")
         return cls(**values)
-
-
-def preflight(config: TrainConfig) -> None:
-    """Does this machine have what `config` names: a saved model at a local model path, the
-    GSM8K file, a place for run_dir, the device? ValueError names the field. The trainer
-    asks before it makes a run folder or loads anything; a config read back on resume is
-    not probed again."""
-    if config.model is not None and config.model not in EMBEDDED:
-        path = Path(config.model).expanduser()
-        looks_local = path.exists() or config.model.startswith((".", "/", "~")) \
-            or config.model.count("/") > 1 or "\\" in config.model
-        if looks_local and not (path / "config.json").is_file():
-            raise ValueError(f"model={config.model!r}: no saved model there (no config.json)")
-    if config.task == "gsm8k" and not Path(config.gsm8k_path).expanduser().is_file():
-        raise ValueError(f"gsm8k_path={config.gsm8k_path!r} is not a file")
-    if config.task == "code":
-        if not Path(config.code_path).expanduser().is_file():
-            raise ValueError(f"code_path={config.code_path!r} is not a file")
-        from labkit.sandbox import launch
-        import sys
-
-        launch.require_boundary(sys.executable, None)  # before the model loads
-    if config.run_dir is not None:
-        path = Path(config.run_dir).expanduser()
-        if path.exists() and not path.is_dir():
-            raise ValueError(f"run_dir={config.run_dir!r} is a file, not a folder")
-        parent = next((p for p in path.parents if p.exists()), None)
-        if not path.exists() and parent is not None and not parent.is_dir():
-            raise ValueError(f"run_dir={config.run_dir!r} cannot be made: {str(parent)!r} "
-                             "is a file")
-    if config.device is not None:
-        _check_device(config.device)
-    from labkit import trackers
-
-    trackers.require(config.report_to)
-    if config.lora_rank:
-        from labkit.lora import require_peft
-
-        try:
-            require_peft()
-        except ImportError as e:
-            raise ValueError(str(e)) from None
-
-
-def _check_device(device: str) -> None:
-    """That this machine has the device (its spelling is the config's check): a run asked
-    for cuda:1 should not find out after its run directory exists that there is no second
-    GPU."""
-    import torch
-
-    kind, _, index = device.partition(":")
-    if kind == "cuda":
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if count == 0:
-            raise ValueError(f"device={device!r} asks for CUDA, but torch sees no CUDA device")
-        if index and int(index) >= count:
-            raise ValueError(f"device={device!r}: torch sees {count} CUDA device(s), "
-                             f"cuda:0 to cuda:{count - 1}")
-    if kind == "mps" and not torch.backends.mps.is_available():
-        raise ValueError(f"device={device!r} asks for Apple MPS, which this machine lacks")
 
 
 def field_docs() -> dict[str, str]:

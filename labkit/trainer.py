@@ -27,7 +27,8 @@ from tqdm.auto import tqdm
 from labkit import algos, parallel, rundir, samples, stops
 from labkit import metrics as M
 from labkit.advantages import NonFiniteError
-from labkit.config import TrainConfig, preflight
+from labkit.config import TrainConfig
+from labkit.preflight import preflight
 from labkit.diagnose import RunDiagnostics
 from labkit.evaluation import run_eval
 from labkit.learner import (Learner, build_learner, learner_state, machine, make_accelerator,

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from labkit import algos, lora
-from labkit.config import TrainConfig, preflight
+from labkit.config import TrainConfig
+from labkit.preflight import preflight
 from labkit.learner import build_learner, learner_state, make_accelerator, restore_learner
 from labkit.rollout import rollout
 from labkit.rundir import rng_state

@@ -11,7 +11,9 @@ import pytest
 import yaml
 from cli import fresh_process, in_process
 
-from labkit.config import TrainConfig, preflight
+from labkit.config import TrainConfig
+
+from labkit.preflight import preflight
 from labkit.rundir import RunLock
 
 HERE = Path(__file__).resolve().parent

@@ -191,7 +191,8 @@ def check_config_rules(notebook: str | Path, params: dict[str, Param], values: d
     lr: float, estimator: str) reaches a TrainConfig in the notebook, so it obeys that field's
     rules, checked here with the notebook's other such values (its defaults overlaid with
     `values`) before any kernel starts or model loads. ValueError names the parameter."""
-    from labkit.config import TrainConfig, preflight
+    from labkit.config import TrainConfig
+    from labkit.preflight import preflight
 
     shared = config_values(params, values)
     if not shared or not set(values) & set(shared):
