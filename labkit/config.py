@@ -17,7 +17,8 @@ from dataclasses import asdict, dataclass, fields
 from typing import Literal
 
 from labkit import config_checks, trackers
-from labkit.advantages import ESTIMATORS, Scale
+from labkit.advantages import Scale
+from labkit.estimators import ESTIMATORS
 from labkit.fields import base_types, bounded, check, choice, choices, docs
 from labkit.losses import AGG_MODES, Level
 from labkit.models import SCRATCHPAD_NAME
@@ -95,7 +96,7 @@ class TrainConfig:
 
     # --- GRPO variants ---------------------------------------------------------------
     estimator: str | None = choice(None, ESTIMATORS)
-    """Advantage estimator, a name of labkit.advantages.ESTIMATORS; None takes the
+    """Advantage estimator, a name of labkit.estimators.ESTIMATORS; None takes the
     algorithm's own: grpo for GRPO, gae for PPO (the one that reads a critic's values)."""
     scale: Scale = "group"
     """grpo: divide by the group's std, the batch's std, or nothing."""

@@ -9,7 +9,7 @@ import re
 from typing import TYPE_CHECKING
 
 from labkit import grammar, stops
-from labkit.advantages import ESTIMATORS, NEEDS
+from labkit.estimators import ESTIMATORS, NEEDS
 from labkit.losses import normaliser_of
 from labkit.models import EMBEDDED
 from labkit.tasks import ENUMERABLE, ArithmeticTask
@@ -88,7 +88,7 @@ def check_combinations(config: TrainConfig) -> None:
 
 def check_estimator(config: TrainConfig) -> None:
     """An estimator that reads a critic's values is PPO's; any other is GRPO's; and it
-    needs only inputs a trainer can compute (`labkit.advantages.NEEDS`)."""
+    needs only inputs a trainer can compute (`labkit.estimators.NEEDS`)."""
     needs = ESTIMATORS.needs(config.estimator)
     unknown = [n for n in needs if n not in NEEDS]
     if unknown:

@@ -30,7 +30,7 @@ from labkit.scoring import FAST_PASSES, MODEL_PASSES, token_logprobs, token_valu
 def _check_measurable(name: str) -> None:
     """ValueError unless estimator `name` gives (N,) from the rewards and G alone: the
     diagnostics draw rewards, not token masks or extras."""
-    from labkit.advantages import ESTIMATORS, AdvantageInputs, estimate
+    from labkit.estimators import ESTIMATORS, AdvantageInputs, estimate
 
     ESTIMATORS.resolve(name, "estimators")  # an unknown name: the registry's error
     why = f"needs {list(ESTIMATORS.needs(name))}" if ESTIMATORS.needs(name) else ""
@@ -60,7 +60,7 @@ class DiagSettings:
     seed: int = 0
     """Seeds the draws (the reference draw and the K batches)."""
     estimators: tuple[str, ...] = GROUP_ESTIMATORS
-    """Group estimators measured: names of labkit.advantages.ESTIMATORS that give one
+    """Group estimators measured: names of labkit.estimators.ESTIMATORS that give one
     advantage per completion from the rewards alone (grpo, dr_grpo, rloo, none, opo's needs a
     mask: not these)."""
 

@@ -35,11 +35,12 @@ import torch
 from torch import Tensor
 
 from labkit import advantages as adv
+from labkit import estimators as est
 from labkit import losses
 
 GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "none")
 """The baselines every run reports: `none` is r itself (no baseline), the others are names
-of `labkit.advantages.ESTIMATORS`."""
+of `labkit.estimators.ESTIMATORS`."""
 CRITIC_ROWS = ("ppo_critic", "ppo_gae", "ppo_critic_v0")
 """Gradient rows that exist only with a critic: its value as a baseline on every token
 (GAE with lambda = 1), GAE with the run's gamma and lambda (as PPO trains), and its value at
@@ -89,7 +90,7 @@ def group_baselines(rewards: Tensor, group_size: int, estimators: Sequence[str] 
 
 def raw_advantages(name: str, rewards: Tensor, group_size: int) -> Tensor:
     """Estimator `name`'s advantages (N,) without std scaling; `none` is the reward itself."""
-    return adv.estimate(name, adv.AdvantageInputs(rewards, group_size, scale="none")).advantages
+    return est.estimate(name, est.AdvantageInputs(rewards, group_size, scale="none")).advantages
 
 
 def advantage_rows(draw: Draw, group_size: int, config, *,
@@ -105,7 +106,7 @@ def advantage_rows(draw: Draw, group_size: int, config, *,
     rows = {}
     for name in estimators:
         rows[(name, "raw")] = raw_advantages(name, r, group_size)
-        rows[(name, "trained")] = adv.estimate(name, adv.AdvantageInputs(
+        rows[(name, "trained")] = est.estimate(name, est.AdvantageInputs(
             r, group_size, scale=config.scale, unbiased=config.std_unbiased)).advantages
     if draw.values is not None:
         mask = _mask(draw, r.shape[0], draw.values.shape[1])

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from labkit import parallel, rundir
-from labkit.advantages import ESTIMATORS
+from labkit.estimators import ESTIMATORS
 from labkit.config import TrainConfig
 from labkit.scoring import FAST_PASSES, MODEL_PASSES, Passes, ValueModel
 

@@ -16,7 +16,7 @@ from dataclasses import replace
 import torch
 from torch import Tensor
 
-from labkit import advantages as adv
+from labkit import estimators as est
 from labkit import losses, mismatch, parallel, reward_expr
 from labkit.config import TrainConfig
 from labkit.learner import Learner
@@ -89,7 +89,7 @@ def estimator_extras(config: TrainConfig, learner: Learner, tokenizer,
     `components` (N, K) and `component_weights` (K,), the reward's terms scored one by one;
     `greedy_rewards` (N,), the reward of one greedy completion per prompt (an extra rollout of
     B rows), repeated over the prompt's G rows. A critic's `values` come in `advantages`."""
-    needs = adv.ESTIMATORS.needs(config.estimator)
+    needs = est.ESTIMATORS.needs(config.estimator)
     device, G, out = learner.accelerator.device, config.group_size, {}
     if "components" in needs:
         rows = [p for p in problems for _ in range(G)]
@@ -194,11 +194,11 @@ def kl_in_reward(config: TrainConfig, learner: Learner, batch: RolloutBatch, rew
 
 def advantage_inputs(config: TrainConfig, rewards: Tensor, mask: Tensor | None = None, *,
                      token_rewards: Tensor | None = None,
-                     extras: dict | None = None) -> adv.AdvantageInputs:
+                     extras: dict | None = None) -> est.AdvantageInputs:
     """What the estimator reads: the rewards (N,), the mask (N, T), the config's options, and
     the extras computed for it (`components`, `greedy_rewards`, `values`)."""
     extras = dict(extras or {})
-    return adv.AdvantageInputs(
+    return est.AdvantageInputs(
         rewards, config.group_size, mask=mask, scale=config.scale,
         unbiased=config.std_unbiased, gamma=config.gamma, lam=config.lam,
         whiten=config.whiten_advantages, token_rewards=token_rewards,
@@ -208,7 +208,7 @@ def advantage_inputs(config: TrainConfig, rewards: Tensor, mask: Tensor | None =
 
 def advantages(config: TrainConfig, learner: Learner, batch: RolloutBatch, rewards: Tensor,
                token_rewards: Tensor | None = None, extras: dict | None = None
-               ) -> tuple[adv.Estimate, Tensor | None]:
+               ) -> tuple[est.Estimate, Tensor | None]:
     """The estimator `config.estimator`'s advantages, (N,) or (N, T), and its returns where it
     has them; and the critic's values (N, T) or None.
 
@@ -221,7 +221,7 @@ def advantages(config: TrainConfig, learner: Learner, batch: RolloutBatch, rewar
         values = extras["values"] = critic_values(config, learner, batch)
     inputs = advantage_inputs(config, rewards, batch.completion_mask,
                               token_rewards=token_rewards, extras=extras)
-    return adv.estimate(config.estimator, inputs), values
+    return est.estimate(config.estimator, inputs), values
 
 
 def critic_values(config: TrainConfig, learner: Learner, batch: RolloutBatch) -> Tensor:
@@ -241,7 +241,7 @@ def group_advantages(config: TrainConfig, rewards: Tensor, mask: Tensor | None =
                      extras: dict | None = None) -> Tensor:
     """GRPO's arrow alone: the advantages of the estimator `config.estimator`, one per
     completion (N,) or per token (N, T), from the rewards (and the extras it needs)."""
-    return adv.estimate(config.estimator,
+    return est.estimate(config.estimator,
                         advantage_inputs(config, rewards, mask, extras=extras)).advantages
 
 

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from torch.testing import assert_close
 
 from labkit import advantages as adv
+from labkit import estimators as est
 
 TOL = dict(rtol=1e-6, atol=1e-6)
 TOL64 = dict(rtol=1e-12, atol=1e-12)
@@ -344,13 +345,13 @@ def test_property_token_level_finite(data, n, t_len, scale, gamma, lam):
 def test_the_estimator_registry_lists_each_estimator_with_its_paper():
     names = ["grpo", "dr_grpo", "rloo", "none", "reinforce++", "reinforce++-baseline", "remax",
              "opo", "gpg", "grpo_passk", "gdpo", "max_rl", "gae"]
-    assert list(adv.ESTIMATORS) == names
-    assert adv.ESTIMATORS["rloo"] is adv.rloo_estimator
-    titles = adv.ESTIMATORS.titles()
+    assert list(est.ESTIMATORS) == names
+    assert est.ESTIMATORS["rloo"] is est.rloo_estimator
+    titles = est.ESTIMATORS.titles()
     assert all(re.search(r"\(.*\d{4}", titles[n]) for n in names), titles  # a paper and year
-    assert adv.ESTIMATORS.needs("remax") == ("greedy_rewards",)
-    assert adv.ESTIMATORS.needs("gae") == ("values",) and adv.ESTIMATORS.needs("grpo") == ()
-    assert "package.module" in adv.ESTIMATORS.describe()
+    assert est.ESTIMATORS.needs("remax") == ("greedy_rewards",)
+    assert est.ESTIMATORS.needs("gae") == ("values",) and est.ESTIMATORS.needs("grpo") == ()
+    assert "package.module" in est.ESTIMATORS.describe()
 
 
 # ------------------------------------------------------------------ the registered estimators
@@ -440,11 +441,11 @@ def test_registered_estimators_match_loops(name, gamma):
     parts = torch.stack([(r > 1.5).double(), torch.rand(n, generator=gen, dtype=torch.float64)],
                         1)
     weights = [1.0, 0.3]
-    x = adv.AdvantageInputs(r, g, mask=mask, gamma=gamma, eps=1e-4,
+    x = est.AdvantageInputs(r, g, mask=mask, gamma=gamma, eps=1e-4,
                             components=parts,
                             component_weights=torch.tensor(weights, dtype=torch.float64),
                             extras={"greedy_rewards": greedy})
-    got = adv.ESTIMATORS[name](x)
+    got = est.ESTIMATORS[name](x)
     if got.dim() == 1:
         got = adv.to_tokens(got, mask)
     want = ref_registered(name, r.tolist(), g, mask.tolist(), eps=1e-4, gamma=gamma,
@@ -458,9 +459,9 @@ def test_per_token_estimators_are_per_token_only_when_gamma_discounts():
     row has the same advantage (the shape a reader may not expect of a per-token estimator)."""
     r = torch.tensor([1.0, 0.0, 1.0, 0.0])
     mask = torch.ones(4, 3)
-    flat = adv.ESTIMATORS["reinforce++"](adv.AdvantageInputs(r, 2, mask=mask))
+    flat = est.ESTIMATORS["reinforce++"](est.AdvantageInputs(r, 2, mask=mask))
     assert torch.equal(flat, flat[:, :1].expand_as(flat))
-    discounted = adv.ESTIMATORS["reinforce++"](adv.AdvantageInputs(r, 2, mask=mask, gamma=0.5))
+    discounted = est.ESTIMATORS["reinforce++"](est.AdvantageInputs(r, 2, mask=mask, gamma=0.5))
     assert discounted[0, 0] < discounted[0, 1] < discounted[0, 2]
 
 
@@ -479,7 +480,7 @@ def test_registered_estimators_name_what_is_missing(name, fields, words):
     base = dict(rewards=torch.tensor([1.0, 0.0, 1.0, 1.0]), group_size=2,
                 mask=torch.ones(4, 3))
     with pytest.raises(ValueError) as e:
-        adv.ESTIMATORS[name](adv.AdvantageInputs(**(base | fields)))
+        est.ESTIMATORS[name](est.AdvantageInputs(**(base | fields)))
     assert all(w in str(e.value) for w in words), str(e.value)
 
 
@@ -487,10 +488,10 @@ def test_equal_groups_give_zero_for_every_group_estimator():
     """A group whose rewards are all equal carries no signal: every group-baseline estimator
     gives it exactly 0 (reinforce++ and none have no group baseline and are left out)."""
     r = torch.tensor([0.7] * 4 + [1.0, 0.0, 0.0, 1.0])
-    x = adv.AdvantageInputs(r, 4, mask=torch.ones(8, 2), components=r[:, None],
+    x = est.AdvantageInputs(r, 4, mask=torch.ones(8, 2), components=r[:, None],
                             extras={"greedy_rewards": r.clone()})
     for name in ["grpo", "dr_grpo", "rloo", "opo", "gpg", "grpo_passk", "max_rl", "remax"]:
-        out = adv.ESTIMATORS[name](x)
+        out = est.ESTIMATORS[name](x)
         assert torch.equal(out[:4], torch.zeros(4)), name
 
 
@@ -512,29 +513,29 @@ def test_a_new_estimator_is_one_decorated_function():
     from labkit.stages import group_advantages
     from labkit.config import TrainConfig
 
-    @adv.ESTIMATORS.register("half_rloo_for_test")
+    @est.ESTIMATORS.register("half_rloo_for_test")
     def half_rloo(inputs):
         """Half of RLOO (a test's own estimator): A_i = rloo_i / 2."""
         return adv.rloo(inputs.rewards, inputs.group_size) / 2
 
-    assert "half_rloo_for_test: Half of RLOO" in adv.ESTIMATORS.describe()
+    assert "half_rloo_for_test: Half of RLOO" in est.ESTIMATORS.describe()
     r = torch.tensor([1.0, 0.0, 0.0, 1.0])
     config = TrainConfig(estimator="half_rloo_for_test", group_size=4)
     assert torch.equal(group_advantages(config, r), adv.rloo(r, 4) / 2)
     with pytest.raises(ValueError, match="'half_rloo_for_test' is already registered"):
-        adv.ESTIMATORS.register("half_rloo_for_test")(half_rloo)
+        est.ESTIMATORS.register("half_rloo_for_test")(half_rloo)
     with pytest.raises(ValueError, match=r"signature \(inputs\)"):
-        adv.ESTIMATORS.register("no_options_for_test")(lambda rewards, group_size: rewards)
-    assert "no_options_for_test" not in adv.ESTIMATORS
+        est.ESTIMATORS.register("no_options_for_test")(lambda rewards, group_size: rewards)
+    assert "no_options_for_test" not in est.ESTIMATORS
 
 
 def test_an_estimator_by_import_path_and_a_bad_name():
-    assert adv.ESTIMATORS.resolve("labkit.advantages:rloo_estimator") is adv.rloo_estimator
+    assert est.ESTIMATORS.resolve("labkit.estimators:rloo_estimator") is est.rloo_estimator
     with pytest.raises(ValueError, match=r"^estimator must be one of \['grpo', 'dr_grpo', "
                                          r"'rloo'.*'package.module:function', got 'ppo'$"):
-        adv.ESTIMATORS.resolve("ppo", "estimator")
+        est.ESTIMATORS.resolve("ppo", "estimator")
     with pytest.raises(ValueError, match="estimator='labkit.advantages:nope': cannot import"):
-        adv.ESTIMATORS.resolve("labkit.advantages:nope", "estimator")
+        est.ESTIMATORS.resolve("labkit.advantages:nope", "estimator")
 
 
 # ------------------------------------------------------------------ PPO's arrow

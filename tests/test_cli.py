@@ -39,14 +39,14 @@ def test_unknown_command_is_rejected():
 
 def test_train_help_lists_each_registry_and_literal_choice(capsys):
     """--help reads the choices from the registries and the Literals, not from a copy."""
-    from labkit import advantages, losses, rewards
+    from labkit import estimators, losses, rewards
     from labkit.__main__ import main
 
     with pytest.raises(SystemExit) as stop:
         main(["train", "--help"])
     assert stop.value.code == 0
     text = " ".join(capsys.readouterr().out.split())
-    for registry in (advantages.ESTIMATORS, losses.AGG_MODES, rewards.REWARDS):
+    for registry in (estimators.ESTIMATORS, losses.AGG_MODES, rewards.REWARDS):
         assert all(f"{name}:" in text for name in registry), registry
     assert "Choices: grpo, ppo." in text
     assert "Choices: auto, k1, k2, k3, abs, k1+, k3+, abs+, full." in text

@@ -14,7 +14,7 @@ import yaml
 from cli import in_process
 
 from labkit import lab
-from labkit.advantages import ESTIMATORS
+from labkit.estimators import ESTIMATORS
 from labkit.config import TrainConfig
 from labkit.lab.runner import check_parameters, config_values, notebook_parameters
 from labkit.lab.sweeps import load_sweep, plan

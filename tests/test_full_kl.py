@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from labkit import advantages as adv
+from labkit import estimators as est
 from labkit import algos, stages, update
 from labkit import losses as L
 from labkit.config import TrainConfig
@@ -174,7 +174,7 @@ def test_in_the_reward_the_penalty_is_the_sampling_policys_exact_kl(algo):
         assert out.stats["policy/kl"] == pytest.approx(kl_t[mask].mean().item(), rel=1e-4)
     else:
         seen = rewards - config.beta * kl_t.sum(1)
-        want = adv.ESTIMATORS.resolve("grpo", "estimator")(
+        want = est.ESTIMATORS.resolve("grpo", "estimator")(
             stages.advantage_inputs(config, seen, batch.completion_mask))
         assert torch.allclose(out.advantages, want, atol=1e-4)
 

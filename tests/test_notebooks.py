@@ -99,10 +99,10 @@ def check_00(summary, records, params):
         assert summary[f"adv_std/{name}"] >= 0
     quantities = {r["quantity"] for r in records}
     assert {"reward", "advantage/rloo", "kl/k3", "surrogate/A=-1/dual clip c=3"} <= quantities
-    from labkit.advantages import ESTIMATORS
+    from labkit.estimators import ESTIMATORS
     from labkit.policy_losses import POLICY_LOSSES
 
-    ours = [n for n, fn in ESTIMATORS.items() if fn.__module__ == "labkit.advantages"]
+    ours = [n for n, fn in ESTIMATORS.items() if fn.__module__ == "labkit.estimators"]
     assert {f"registered/{n}" for n in ours if n != "gae"} <= quantities
     assert {f"loss_mode/A=+1/{n}" for n in POLICY_LOSSES} <= quantities
 

@@ -30,6 +30,7 @@ import pytest
 import torch
 
 from labkit import advantages as adv
+from labkit import estimators as est
 
 from peers import peer
 
@@ -63,7 +64,7 @@ def _inputs(seed: int, dtype=torch.float64, binary=False):
 
 
 def _labkit(name, r, mask, **fields):
-    out = adv.estimate(name, adv.AdvantageInputs(r, G, mask=mask, **fields)).advantages
+    out = est.estimate(name, est.AdvantageInputs(r, G, mask=mask, **fields)).advantages
     return adv.to_tokens(out, mask) if out.dim() == 1 else out
 
 
@@ -186,7 +187,7 @@ def test_gae_matches_verl(lam):
     values = torch.randn(mask.shape, generator=torch.Generator().manual_seed(12)) * mask
     want, want_returns = verl.compute_gae_advantage_return(token.clone(), values, mask,
                                                            gamma=0.99, lam=lam)
-    got = adv.estimate("gae", adv.AdvantageInputs(r, G, mask=mask, gamma=0.99, lam=lam,
+    got = est.estimate("gae", est.AdvantageInputs(r, G, mask=mask, gamma=0.99, lam=lam,
                                                   extras={"values": values}))
     torch.testing.assert_close(got.advantages, want * mask, **F32)
     torch.testing.assert_close(got.returns * mask, want_returns * mask, **F32)

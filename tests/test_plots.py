@@ -187,12 +187,13 @@ def test_loss_mode_weights_are_each_modes_gradient_weight():
 
 def test_registered_advantages_give_every_critic_free_estimator_per_completion():
     from labkit import advantages as adv
+    from labkit import estimators as est
     from labkit.lab import registered_advantages
 
     r = torch.tensor([1.0, 0.0, 0.0, 1.0])
     mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 0], [1, 1, 1]])
     table = registered_advantages(r, mask, greedy_reward=1.0)
-    assert set(table) == {n for n in adv.ESTIMATORS if n != "gae"}
+    assert set(table) == {n for n in est.ESTIMATORS if n != "gae"}
     assert all(a.shape == (4,) for a in table.values())
     assert torch.equal(table["remax"], r - 1.0)
     assert torch.equal(table["rloo"], adv.rloo(r, 4))

@@ -232,10 +232,10 @@ def test_every_loss_mode_trains_a_step(loss):
 def test_docs_variants_lists_every_registered_estimator_and_loss_mode():
     from pathlib import Path
 
-    from labkit.advantages import ESTIMATORS
+    from labkit.estimators import ESTIMATORS
 
     doc = (Path(__file__).resolve().parents[1] / "docs" / "variants.md").read_text()
-    ours = [n for n, fn in ESTIMATORS.items() if fn.__module__ == "labkit.advantages"]
+    ours = [n for n, fn in ESTIMATORS.items() if fn.__module__ == "labkit.estimators"]
     assert len(ours) >= 13 and all(f"| `{name}` |" in doc for name in ours), ours
     assert all(f"| `{name}" in doc for name in LM.POLICY_LOSSES), list(LM.POLICY_LOSSES)
 

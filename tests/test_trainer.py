@@ -452,7 +452,7 @@ def test_a_dead_spell_shorter_than_k_does_not_stop_the_run(tmp_path):
 def test_every_group_estimator_trains_a_step(estimator):
     """A Trainer step with each registered critic-free estimator: the advantages the step
     used are the estimator's on the step's rewards, mask and extras, and the update is finite."""
-    from labkit.advantages import ESTIMATORS
+    from labkit.estimators import ESTIMATORS
     from labkit.stages import advantage_inputs, estimator_extras
     from labkit.trainer import Trainer
 

@@ -176,7 +176,7 @@ def test_a_saved_config_from_before_the_fast_field_was_named_reads_lean_as_fast(
     dict(stop_rules="adv/gav>0.45 for 5; rollout/reward_mean >= 0.99"),
     dict(stop_rules=" ; eval/pass@1<0.01 for 2 ;"), dict(stop_rules="eval/pass@4<0.1"),
     dict(beta=0.04, stop_rules="policy/kl>0.5"), dict(dual_clip=3.0, value_clip=None),
-    dict(digits=1, eval_n=8), dict(estimator="labkit.advantages:rloo_estimator"),
+    dict(digits=1, eval_n=8), dict(estimator="labkit.estimators:rloo_estimator"),
     dict(agg="labkit.losses:token_mean"), dict(reward="labkit.rewards:format_reward"),
     dict(reward="strict"), dict(reward="correctness+0.3*format"), dict(reward="shaped(lam=0.5)"),
     dict(reward="noisy(strict, p=0.1)"),

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from labkit import lab
-from labkit.advantages import ESTIMATORS
+from labkit.estimators import ESTIMATORS
 from labkit.lab.sweeps import load_sweep, run_sweep
 from labkit.policy_losses import POLICY_LOSSES
 

@@ -9,6 +9,7 @@ from collections.abc import Mapping
 import torch
 
 from labkit import advantages as adv
+from labkit import estimators as est
 from labkit import losses
 from labkit.tasks import ArithmeticTask, Problem
 
@@ -45,14 +46,14 @@ def registered_advantages(rewards: torch.Tensor, mask: torch.Tensor, *,
     baseline is `greedy_reward`, the reward of the prompt's greedy completion; gdpo sees the
     reward as its one term."""
     r = rewards.float()
-    x = adv.AdvantageInputs(r, len(r), mask=mask, components=r[:, None],
+    x = est.AdvantageInputs(r, len(r), mask=mask, components=r[:, None],
                             extras={"greedy_rewards": torch.full_like(r, greedy_reward)})
     m = mask.bool()
     out = {}
-    for name in adv.ESTIMATORS:
-        if "values" in adv.ESTIMATORS.needs(name):
+    for name in est.ESTIMATORS:
+        if "values" in est.ESTIMATORS.needs(name):
             continue
-        a = adv.estimate(name, x).advantages
+        a = est.estimate(name, x).advantages
         out[name] = a if a.dim() == 1 else torch.where(m, a, 0.0).sum(1) / m.sum(1).clamp(min=1)
     return out
 
