@@ -277,148 +277,6 @@ def _findings_parser(sub) -> None:
                           "kaleido, the `figures` extra, and a Chrome or Chromium)")
 
 
-def run_findings_command(args) -> int:
-    from labkit.lab.findings import write_findings
-
-    if args.all:
-        from labkit.lab.findings import run_claims
-
-        only = None if args.only is None else [s.strip() for s in args.only.split(",")
-                                                if s.strip()]
-        try:
-            failed = run_claims(args.claims, args.root, smoke=args.smoke, workers=args.workers,
-                                only=only)
-        except ValueError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-        if failed:
-            print(f"error: {len(failed)} claim runs failed: {'; '.join(failed)}; the page is "
-                  "written from the others", file=sys.stderr)
-    print(write_findings(args.out, args.claims, args.root, smoke=args.smoke,
-                         figures=not args.no_figures))
-    return 0
-
-
-def run_notebook_command(args) -> int:
-    from labkit.lab.report import REPORT
-    from labkit.lab.runner import RunFailed, read_summary, run_notebook
-
-    given = {}
-    for name, value in args.parameters:
-        if name in given:
-            raise ValueError(f"parameter {name} is given twice")
-        given[name] = value
-    try:
-        # a per-cell bar in a terminal; logs and pipes get the result lines only
-        run_dir = run_notebook(args.notebook, given, name=args.name, root=args.root,
-                               progress=sys.stderr.isatty())
-    except RunFailed as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    summary = read_summary(run_dir)
-    print(f"run_dir  {run_dir}")
-    print(f"report   {run_dir / REPORT}")
-    if summary is None:
-        print(f"warning: the notebook wrote no summary.json into {run_dir}", file=sys.stderr)
-    else:
-        print(summary_table(summary))
-        print(json.dumps(summary))
-    return 0
-
-
-WIDTH = 100
-"""The columns `run`'s terminal summary fits in."""
-
-
-def summary_table(summary: dict, width: int = WIDTH) -> str:
-    """A summary.json for the terminal, in `width` columns: the verdicts first (one line per
-    finding: verdict, question, effect [interval]), then the description, then a table with
-    one row per run ('grpo/x' keys) and as many of its fields as fit."""
-    import textwrap
-
-    def clip(text: str) -> str:
-        return text if len(text) <= width else text[:width - 3] + "..."
-
-    lines = []
-    numbers = sorted({int(k[len("finding"):].split("/")[0]) for k in summary
-                      if k.startswith("finding") and k.endswith("/verdict")})
-    for k in numbers:
-        get = summary.get
-        low, high = get(f"finding{k}/low"), get(f"finding{k}/high")
-        interval = f" [{low:.3g}, {high:.3g}]" if low is not None and high is not None else ""
-        verdict = str(get(f"finding{k}/verdict")).replace(" at this budget", "")
-        lines.append(clip(f"{verdict:<12} {get(f'finding{k}/question', '')}: "
-                          f"{get(f'finding{k}/mean', float('nan')):.3g}{interval}"))
-    if "description" in summary:
-        lines += textwrap.wrap(str(summary["description"]), width)
-    runs: dict[str, dict] = {}
-    for key, value in summary.items():
-        if "/" in key and not key.startswith("finding"):
-            run, name = key.rsplit("/", 1)
-            runs.setdefault(run, {})[name] = value
-    if runs:
-        def cell(value):
-            return f"{value:.3f}" if isinstance(value, float) else str(value)
-        names = list(dict.fromkeys(n for values in runs.values() for n in values))
-        columns = [max(len("run"), *map(len, runs))]
-        chosen = []
-        for name in names:
-            need = max(len(name), *(len(cell(v.get(name, ""))) for v in runs.values()))
-            if sum(columns) + 2 * len(columns) + need > width:
-                break
-            chosen.append(name)
-            columns.append(need)
-        rows = [["run", *chosen]] + [[run, *(cell(values.get(n, "")) for n in chosen)]
-                                     for run, values in runs.items()]
-        lines += ["  ".join(c.ljust(w) for c, w in zip(r, columns)).rstrip() for r in rows]
-        if len(chosen) < len(names):
-            lines.append(clip(f"(and {len(names) - len(chosen)} more fields in summary.json)"))
-    return "\n".join(lines)
-
-
-def run_sweep_command(args) -> int:
-    from labkit.rundir import RUNS_ROOT
-    from labkit.lab.sweeps import CSV_NAME, PLOT_NAME, load_sweep, plan, run_sweep
-
-    ray = args.backend == "ray"
-    workers = args.workers if args.workers is not None else (0 if ray else 1)
-    if workers < (0 if ray else 1):
-        raise ValueError(f"--workers must be >= {0 if ray else 1}, got {workers}")
-    if args.address and not ray:
-        raise ValueError("--address is the Ray cluster's: it needs --backend ray")
-    for flag, value, low in (("--cpus-per-run", args.cpus_per_run, "> 0"),
-                             ("--gpus-per-run", args.gpus_per_run, ">= 0")):
-        if value is not None and (value < 0 or (low == "> 0" and value == 0)):
-            raise ValueError(f"{flag} must be {low}, got {value:g}")
-    if ray:
-        from labkit.lab.on_ray import require_ray
-
-        try:
-            require_ray()
-        except ImportError as e:  # said in one line, before anything runs
-            raise ValueError(str(e)) from None
-    sweep = load_sweep(args.experiment, smoke=args.smoke)
-    if args.cpus_per_run is not None:
-        sweep.resources["cpus"] = args.cpus_per_run
-    if args.gpus_per_run is not None:
-        sweep.resources["gpus"] = args.gpus_per_run
-    root = RUNS_ROOT if args.root is None else args.root
-    if args.dry_run:
-        for run in plan(sweep, root):
-            print(f"{'done' if run.status == 'done' else 'to run':<7} {run.path}")
-        return 0
-    runs = run_sweep(sweep, root, workers=workers, backend=args.backend, address=args.address)
-    folder = runs[0].path.parent
-    print(folder / PLOT_NAME)
-    print(folder / CSV_NAME)
-    failed = [r.id for r in runs if r.status == "failed"]
-    if failed:
-        print(f"error: {len(failed)} of {len(runs)} runs failed: {'; '.join(failed)}",
-              file=sys.stderr)
-        return 1
-    return 0
-
-
 class _Parser(argparse.ArgumentParser):
     """argparse with its errors as the one `error:` line every other user error gets (no
     usage block); --help still shows the usage."""
@@ -463,12 +321,11 @@ def main(argv: list[str] | None = None) -> int:
     _bench_parser(sub)
     args = parser.parse_args(argv)
     try:
-        if args.command == "run":
-            return run_notebook_command(args)
-        if args.command == "sweep":
-            return run_sweep_command(args)
-        if args.command == "findings":
-            return run_findings_command(args)
+        if args.command in ("run", "sweep", "findings"):  # the lab wing's commands
+            from labkit.lab import commands
+
+            return {"run": commands.run_notebook_command, "sweep": commands.run_sweep_command,
+                    "findings": commands.run_findings_command}[args.command](args)
         if args.command == "bench":
             from labkit.bench import main_bench
 

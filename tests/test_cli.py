@@ -130,7 +130,7 @@ def test_usage_lines_name_the_program_the_user_typed():
 
 
 def test_runs_terminal_summary_fits_100_columns_with_the_verdicts_first():
-    from labkit.__main__ import WIDTH, summary_table
+    from labkit.lab.commands import WIDTH, summary_table
 
     summary = {"description": "Two arms over three seeds, each on the same prompts. " * 5,
                "finding1/question": "rloo gains more held-out accuracy than grpo",

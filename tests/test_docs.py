@@ -48,8 +48,9 @@ def parsed(argv: list[str]):
         seen.append(args)
         return {"train": {}, "eval": {"eval/n": 0}}.get(args.command, 0)
 
-    with mock.patch.multiple(cli, run_notebook_command=keep, run_sweep_command=keep,
-                             run_train=keep, run_eval=keep), \
+    with mock.patch.multiple(cli, run_train=keep, run_eval=keep), \
+            mock.patch.multiple("labkit.lab.commands", run_notebook_command=keep,
+                                run_sweep_command=keep), \
             mock.patch("labkit.bench.main_bench", keep):
         assert cli.main(argv) == 0
     return seen[0]
