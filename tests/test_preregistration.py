@@ -175,13 +175,13 @@ def test_a_paired_collapse_is_decided_by_its_exact_test():
 
 
 def test_findings_all_runs_each_claims_batches_until_it_is_decided(tmp_path, monkeypatch):
+    import labkit.lab.commands
     import labkit.lab.findings
-    import labkit.lab.sweeps
 
     ran = []
-    monkeypatch.setattr(labkit.lab.sweeps, "run_sweep", lambda sweep, root, workers=1:
+    monkeypatch.setattr(labkit.lab.findings, "run_sweep", lambda sweep, root, workers=1:
                         ran.append((sweep.name, tuple(sweep.seeds))) or [])
-    monkeypatch.setattr(labkit.lab.findings, "write_findings", lambda out, *a, **k: Path(out))
+    monkeypatch.setattr(labkit.lab.commands, "write_findings", lambda out, *a, **k: Path(out))
     argv = ("findings", "--all", "--root", tmp_path / "runs", "--out", tmp_path / "f.md")
     done = in_process(*argv)  # nothing is decided without runs: every batch runs
     assert done.returncode == 0, done.stderr

@@ -19,13 +19,19 @@ claim whose runs are gone. `python -m labkit findings --all` runs every claim's 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+import sys
 from pathlib import Path
 
 from labkit import stats
+from labkit.lab import questions, verdicts
 from labkit.lab.claims import ClaimResult, claim_verdict
+from labkit.lab.experiments import project_root
 from labkit.lab.findings_page import EVERY_PAGE, render, render_every, write_figures
+from labkit.lab.sweeps import load_sweep, plan, run_sweep
+from labkit.rundir import RUNS_ROOT, git_commit, read_metrics
 
 CLAIMS_DIR = Path("experiments") / "claims"
 FINDINGS_PAGE = Path("docs") / "findings.md"
@@ -124,8 +130,6 @@ def locate(path: str | Path) -> Path:
     """`path` as given when absolute; a relative one under the project root of the working
     directory when it exists there, else under the checkout this labkit was imported from
     (a notebook run from another folder still finds experiments/claims/)."""
-    from labkit.lab.experiments import project_root
-
     path = Path(path)
     if path.is_absolute():
         return path
@@ -181,9 +185,6 @@ def collect(claims_dir: str | Path = CLAIMS_DIR, root: str | Path | None = None,
     """Every claim of `claims_dir` with the findings and the per-seed record of its finished
     runs under `root`; a claim none of whose runs is there reads its record from
     `records_dir`/<claim file>.csv where that exists."""
-    from labkit.lab.sweeps import load_sweep, plan
-    from labkit.rundir import RUNS_ROOT
-
     root = Path(RUNS_ROOT if root is None else root)
     files = sorted(Path(claims_dir).glob("*.yaml"))
     if not files:
@@ -241,9 +242,6 @@ def _records(done: list, facts: list, monitors: bool) -> list[dict]:
 def _fire_steps(run_path: Path) -> dict[tuple[str, int], dict[str, int]]:
     """(arm, seed) -> {fires.<rule>: first step} from each training run's metrics.jsonl
     (a training run's folder is <arm>-seed<seed>)."""
-    from labkit.lab import questions
-    from labkit.rundir import read_metrics
-
     rules = questions.monitor_rules()
     out = {}
     for config in sorted(run_path.glob("*/config.json")):
@@ -281,8 +279,6 @@ def _finish(result: ClaimResult, done: list, facts: list, records_dir) -> None:
         result.compute_s = sum(r.get("wall_s", 0.0) for r in result.records)
         result.runs_done = len({r["sweep_run"] for r in result.records})
     if (result.claim.get("preregistered") or {}).get("measure") == "monitor_youden":
-        from labkit.lab import questions, verdicts
-
         swept = verdicts.findings_summary(questions.swept_monitor_findings(result.records))
         result.rows += [finding_row(swept, k, "per-seed record")
                         for k in _finding_numbers(swept)]
@@ -291,10 +287,6 @@ def _finish(result: ClaimResult, done: list, facts: list, records_dir) -> None:
 def _replications(file: Path, sweep, root: Path, records_dir) -> list[ClaimResult]:
     """The claims of a file run again at its `replication:` first seeds: each read once, at
     all the seeds those runs train."""
-    import dataclasses
-
-    from labkit.lab.sweeps import plan
-
     again = dataclasses.replace(sweep, seeds=list(sweep.replication))
     runs = plan(again, root)
     done = [run for run in runs if run.status == "done"]
@@ -348,11 +340,6 @@ def run_claims(claims_dir: str | Path = CLAIMS_DIR, root: str | Path | None = No
     files to run (their stems, such as "03_group_size"); the others are left as they are.
     Every claim file is checked before the first run; finished runs are skipped, so the
     suite resumes. Returns the ids of the runs that failed."""
-    import dataclasses
-
-    from labkit.lab.sweeps import load_sweep, run_sweep
-    from labkit.rundir import RUNS_ROOT
-
     root = Path(RUNS_ROOT if root is None else root)
     files = sorted(Path(claims_dir).glob("*.yaml"))
     if only is not None:
@@ -388,10 +375,6 @@ def write_findings(out: str | Path = FINDINGS_PAGE, claims_dir: str | Path = CLA
     with `figures`, an SVG per claim into that folder too.
     Figures that cannot be exported are said in one line on stderr; the page is written
     without them."""
-    import sys
-
-    from labkit.rundir import git_commit
-
     out = Path(out)
     folder = out.with_suffix("")  # docs/findings/ beside docs/findings.md
     results = collect(claims_dir, root, smoke, records_dir=folder)
