@@ -23,21 +23,34 @@ def _eval_parser(sub) -> None:
     cmd = sub.add_parser("eval", help="greedy accuracy and sampled pass@1 on held-out problems")
     cmd.add_argument("--model", default=None,
                      help="local model folder or hub id (default: the embedded tiny model)")
-    cmd.add_argument("--task", default="arithmetic", choices=["arithmetic", "gsm8k", "code"],
-                     help="problem source (default: arithmetic, the embedded model's task)")
+    cmd.add_argument("--task", default="arithmetic",
+                     choices=["arithmetic", "think", "dataset", "gsm8k", "code"],
+                     help="problem source (default: arithmetic, the embedded model's task; "
+                          "think: its sums of 2 to 5 one-digit numbers, on tiny-arith-think "
+                          "by default, with the answer forms: how often the model works "
+                          "before it answers, and how right each form is)")
     cmd.add_argument("--gsm8k-path", default=None, help="GSM8K jsonl, for --task gsm8k")
+    cmd.add_argument("--dataset-path", default=None,
+                     help="a local .jsonl, .json, .parquet or .csv file, for --task dataset")
+    cmd.add_argument("--prompt-column", default="prompt",
+                     help="--task dataset: the column of the prompt (default: prompt)")
+    cmd.add_argument("--answer-column", default="answer",
+                     help="--task dataset: the column of the ground truth (default: answer)")
     cmd.add_argument("--code-path", default=None,
                      help="HumanEval- or MBPP-format .jsonl(.gz), for --task code: each "
                           "completion's program runs its tests in the sandbox")
     cmd.add_argument("--k", type=int, default=None,
                      help="pass@k from the samples (default: --samples)")
-    cmd.add_argument("--digits", type=int, default=2, help="arithmetic: digits per operand")
-    cmd.add_argument("--operands", type=int, default=2, help="arithmetic: operands per problem")
+    cmd.add_argument("--digits", type=int, default=None,
+                     help="arithmetic: digits per operand (default: the task's, 2; think 1)")
+    cmd.add_argument("--operands", type=int, default=None,
+                     help="arithmetic: operands per problem, the most (default: 2; think 5)")
     cmd.add_argument("--n", type=int, default=800, help="held-out problems to evaluate")
     cmd.add_argument("--samples", type=int, default=4,
                      help="sampled completions per problem for pass@1 at temperature 1")
     cmd.add_argument("--max-new-tokens", type=int, default=None,
-                     help="completion budget (default: 16 for arithmetic, 256 for gsm8k)")
+                     help="completion budget (default: 16 for arithmetic, 48 for think, "
+                          "256 for gsm8k and code)")
     cmd.add_argument("--batch-size", type=int, default=256, help="prompts per generate call")
     cmd.add_argument("--seed", type=int, default=0, help="seeds the problems and the samples")
     cmd.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda if any)")
@@ -58,18 +71,32 @@ def _problems(args):
         problems = load_code_tasks(args.code_path, n=args.n, seed=args.seed)
         launch.require_boundary(sys.executable, None)
         return problems, 256
+    if args.task == "dataset":
+        from labkit.dataset_task import load_dataset_task
+
+        if not args.dataset_path:
+            raise ValueError("--task dataset needs --dataset-path, a local .jsonl, .json, "
+                             ".parquet or .csv file")
+        return load_dataset_task(args.dataset_path, args.prompt_column, args.answer_column,
+                                 n=args.n, seed=args.seed), 256
     if args.task == "gsm8k":
         if not args.gsm8k_path:
             raise ValueError("--task gsm8k needs --gsm8k-path, a local jsonl with "
                              "'question' and 'answer' fields")
         return load_gsm8k(args.gsm8k_path, n=args.n, seed=args.seed), 256
-    task = ArithmeticTask(digits=args.digits, operands=args.operands)
-    return task.sample(args.n, "test", seed=args.seed, distinct=True), 16
+    from labkit.config import TASK_SHAPES
+
+    shape = TASK_SHAPES.get(args.task, TASK_SHAPES["other"])
+    given = {"digits": args.digits, "operands": args.operands}
+    digits, operands = (shape[k] if v is None else v for k, v in given.items())
+    task = ArithmeticTask(digits=digits, operands=operands,
+                          min_operands=min(shape["min_operands"], operands))
+    return task.sample(args.n, "test", seed=args.seed, distinct=True), shape["max_new_tokens"]
 
 
 def run_eval(args) -> dict:
-    from labkit.evaluation import evaluate
-    from labkit.models import load, resolve_device, resolve_model_path
+    from labkit.evaluation import evaluate, measure_forms
+    from labkit.models import THINK_NAME, load, resolve_device, resolve_model_path
 
     if args.n < 1:
         raise ValueError(f"--n must be >= 1, got {args.n}")
@@ -80,13 +107,20 @@ def run_eval(args) -> dict:
     if args.batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
     resolve_device(args.device)
-    source = resolve_model_path(args.model)  # fail on a bad path before any heavy work
+    if args.task == "think" and args.model is None:
+        args.model = THINK_NAME
+    # fail on a bad path before any heavy work
+    source = resolve_model_path(args.model)
     problems, budget = _problems(args)
     start = time.perf_counter()
     model, tokenizer = load(source, device=args.device)
     figures = evaluate(model, tokenizer, problems, samples=args.samples, seed=args.seed, k=args.k,
                        max_new_tokens=args.max_new_tokens or budget,
                        batch_size=args.batch_size, progress=True)
+    if args.task == "think" and args.samples:
+        figures["forms"] = measure_forms(model, tokenizer, problems, samples=args.samples,
+                                         seed=args.seed, batch_size=args.batch_size,
+                                         max_new_tokens=args.max_new_tokens or budget)
     figures["wall_s"] = round(time.perf_counter() - start, 2)
     figures["model"] = args.model or "tiny-arith (embedded)"
     return figures

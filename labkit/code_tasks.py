@@ -24,6 +24,7 @@ import re
 from pathlib import Path
 from typing import Sequence
 
+from labkit.dataset_task import read_rows
 from labkit.tasks import Problem, take
 
 FORMATS = {"humaneval": ("prompt", "test", "entry_point"), "mbpp": ("text", "test_list")}
@@ -47,46 +48,10 @@ def load_code_tasks(path: str | Path, n: int | None = None,
     if not path.is_file():
         raise CodeTaskError(f"{path}: no such file (a HumanEval- or MBPP-format .jsonl or "
                             ".jsonl.gz)")
-    rows = _rows(path)
+    rows = read_rows(path, CodeTaskError)
     if not rows:
         raise CodeTaskError(f"{path}: no rows")
     return take([_problem(path, i, row) for i, row in enumerate(rows, 1)], n, seed)
-
-
-def _rows(path: Path) -> list:
-    from datasets import load_dataset
-    from datasets.utils.logging import disable_progress_bar
-
-    disable_progress_bar()
-    try:
-        table = load_dataset("json", data_files=str(path), split="train",
-                             cache_dir=None, keep_in_memory=True)
-    except Exception as e:  # noqa: BLE001 - said in one line, at the bad row where found
-        raise CodeTaskError(_unreadable(path, e)) from None
-    return table.to_list()
-
-
-def _unreadable(path: Path, error: Exception) -> str:
-    """Why the loader failed, at the first row that is not a JSON object where there is one."""
-    import gzip
-    import json
-
-    opener = gzip.open if path.suffix == ".gz" else open
-    try:
-        with opener(path, "rt", encoding="utf-8") as f:
-            for row_no, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as e:
-                    return f"{path}: row {row_no}: not valid JSON ({e.msg})"
-                if not isinstance(row, dict):
-                    return f"{path}: row {row_no}: not a JSON object"
-    except (OSError, UnicodeDecodeError, EOFError) as e:
-        return f"{path}: not readable ({type(e).__name__}: {e})"
-    return f"{path}: not readable as JSON lines ({type(error).__name__}: " \
-           f"{' '.join(str(error).split())[:200]})"
 
 
 def _problem(path: Path, row_no: int, row) -> Problem:

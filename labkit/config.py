@@ -21,13 +21,20 @@ from labkit.advantages import Scale
 from labkit.estimators import ESTIMATORS
 from labkit.fields import base_types, bounded, check, choice, choices, docs
 from labkit.losses import AGG_MODES, Level
-from labkit.models import SCRATCHPAD_NAME
+from labkit.models import SCRATCHPAD_NAME, THINK_NAME
 from labkit.policy_losses import LOSS_SPECS
 from labkit.reward_expr import REWARD_SPECS, spec_text
 
 
 ALGO_LR = {"grpo": 1e-3, "ppo": 5e-4}
 """The policy learning rate a config gets when it names none (`lr=None`)."""
+
+TASK_SHAPES = {
+    "think": dict(digits=1, operands=5, min_operands=2, max_new_tokens=48),
+    "other": dict(digits=2, operands=2, min_operands=0, max_new_tokens=16),
+}
+"""What digits, operands, min_operands and max_new_tokens left None become, by task
+('other' for every task but think)."""
 
 
 @dataclass
@@ -39,16 +46,22 @@ class TrainConfig:
     """grpo: group-relative advantages, no critic; ppo: a critic and GAE."""
     model: str | None = None
     """Local model folder or hub id; None is the embedded tiny model."""
-    task: Literal["arithmetic", "gsm8k", "code"] = "arithmetic"
-    """Problem source: procedural arithmetic, GSM8K from `gsm8k_path`, or code problems
-    from `code_path` (HumanEval or MBPP format, scored by reward='code' in the sandbox)."""
-    digits: int = bounded(2, ge=1)
-    """Arithmetic: digits per operand."""
-    operands: int = bounded(2, ge=1)
-    """Arithmetic: numbers per problem (the most, with min_operands)."""
-    min_operands: int = bounded(0, ge=0)
+    task: Literal["arithmetic", "think", "dataset", "gsm8k", "code"] = "arithmetic"
+    """Problem source: procedural arithmetic; think, the arithmetic on which how much to
+    write is the policy's choice (sums of 2 to 5 one-digit numbers; with model=None the
+    embedded tiny-arith-think, warm-started on worked solutions and direct answers alike);
+    dataset, any local file at `dataset_path` with a prompt and an answer column; GSM8K
+    from `gsm8k_path`; or code problems from `code_path` (HumanEval or MBPP format, scored
+    by reward='code' in the sandbox). digits, operands, min_operands and
+    max_new_tokens left None take the task's values (TASK_SHAPES)."""
+    digits: int | None = bounded(None, ge=1)
+    """Arithmetic: digits per operand (None: the task's, 2; think's 1)."""
+    operands: int | None = bounded(None, ge=1)
+    """Arithmetic: numbers per problem, the most with min_operands (None: 2; think's 5)."""
+    min_operands: int | None = bounded(None, ge=0)
     """Arithmetic: fewest numbers per problem; each problem's count is drawn uniformly from
-    min_operands .. operands, so solutions differ in length. 0: always `operands`."""
+    min_operands .. operands, so solutions differ in length. 0: always `operands` (None: 0;
+    think's 2)."""
     scratchpad: bool = False
     """Arithmetic: problems solved in writing, the running results before the boxed answer
     ('3+4+5=' -> '3+4=7,7+5=12. \\boxed{12}'); with model=None the run loads the embedded
@@ -58,6 +71,14 @@ class TrainConfig:
     """Arithmetic: operators to draw from ('+', '-', '*')."""
     gsm8k_path: str | None = None
     """GSM8K: a local jsonl with 'question' and 'answer' (train on it, evaluate on it)."""
+    dataset_path: str | None = None
+    """Dataset: a local .jsonl, .json (either .gz), .parquet or .csv file, read with the
+    `datasets` library (labkit.dataset_task); its other columns reach the reward functions
+    by name, as TRL passes them."""
+    prompt_column: str = "prompt"
+    """Dataset: the column that holds the prompt."""
+    answer_column: str = "answer"
+    """Dataset: the column that holds the ground truth (GSM8K's '... #### N' reads as N)."""
     code_path: str | None = None
     """Code: a local HumanEval- or MBPP-format .jsonl or .jsonl.gz (labkit.code_tasks)."""
     reward: str = choice("correctness", REWARD_SPECS)
@@ -82,8 +103,9 @@ class TrainConfig:
     """B: prompts per step."""
     group_size: int = bounded(8, ge=1)
     """G: completions per prompt (PPO samples G per prompt too, for an equal budget)."""
-    max_new_tokens: int = bounded(16, ge=1)
-    """Completion budget in tokens; a completion without EOS by then is truncated."""
+    max_new_tokens: int | None = bounded(None, ge=1)
+    """Completion budget in tokens; a completion without EOS by then is truncated (None: the
+    task's, 16; think's 48, its longest worked solution and a margin)."""
     temperature: float = bounded(1.0, gt=0)
     """Sampling temperature; the log-probs of the update use the same one."""
     top_p: float = bounded(1.0, gt=0, le=1)
@@ -317,8 +339,13 @@ class TrainConfig:
             self.lr = ALGO_LR[self.algo]
         if self.estimator is None:
             self.estimator = "gae" if self.algo == "ppo" else "grpo"
+        for name, value in TASK_SHAPES.get(self.task, TASK_SHAPES["other"]).items():
+            if getattr(self, name) is None:
+                setattr(self, name, value)
         if self.scratchpad and self.model is None:
             self.model = SCRATCHPAD_NAME
+        if self.task == "think" and self.model is None:
+            self.model = THINK_NAME
         self.report_to = ",".join(trackers.parse(self.report_to)) or "none"
         check(self)
         config_checks.check_rules(self)

@@ -6,6 +6,7 @@ error names the field and the rule it breaks. Nothing here probes the machine: t
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from labkit import grammar, stops
@@ -106,6 +107,27 @@ def check_task(config: TrainConfig) -> None:
     when the problems are drawn, after the model has loaded."""
     if not config.ops or any(op not in "+-*" for op in config.ops):
         raise ValueError(f"ops must be a non-empty string of '+', '-', '*', got {config.ops!r}")
+    if config.dataset_path is not None and config.task != "dataset":
+        raise ValueError(f"dataset_path={config.dataset_path!r} is only read with "
+                         f"task='dataset' (task is {config.task!r}): add task='dataset' or "
+                         "drop dataset_path")
+    if config.task == "dataset":
+        if not config.dataset_path:
+            raise ValueError("dataset_path is required with task='dataset': a local .jsonl, "
+                             ".json, .parquet or .csv file")
+        from labkit.dataset_task import builder
+
+        try:
+            builder(Path(config.dataset_path))  # its suffix names a reader
+        except ValueError as e:
+            raise ValueError(f"dataset_path: {e}") from None
+        for name in ("prompt_column", "answer_column"):
+            if not getattr(config, name).strip():
+                raise ValueError(f"{name} must name a column of the dataset, got ''")
+        if config.gsm8k_path is not None or config.code_path is not None or config.scratchpad:
+            raise ValueError("gsm8k_path, code_path and scratchpad are not read with "
+                             "task='dataset'")
+        return
     if config.task == "code":
         if not config.code_path:
             raise ValueError("code_path is required with task='code': a local HumanEval- "
@@ -130,9 +152,13 @@ def check_task(config: TrainConfig) -> None:
     if config.gsm8k_path is not None:
         raise ValueError(f"gsm8k_path={config.gsm8k_path!r} is only read with task='gsm8k' "
                          f"(task is {config.task!r}): add task='gsm8k' or drop gsm8k_path")
+    if config.task == "think" and config.scratchpad:
+        raise ValueError("task='think' leaves it to the policy whether to write its running "
+                         "results: drop scratchpad (or use task='arithmetic')")
     task = ArithmeticTask(digits=config.digits, operands=config.operands, ops=config.ops,
-                          min_operands=config.min_operands, scratchpad=config.scratchpad)
-    if config.scratchpad and config.model in EMBEDDED:
+                          min_operands=config.min_operands,
+                          scratchpad=config.scratchpad or config.task == "think")
+    if (config.scratchpad or config.task == "think") and config.model in EMBEDDED:
         # the embedded models read and write one character per token, EOS one more
         need = len(task.longest_target()) + 1
         if config.max_new_tokens < need:

@@ -16,7 +16,8 @@ from tqdm.auto import tqdm
 from labkit.metrics import cgc
 from labkit.rewards import correctness
 from labkit.rollout import fast_decoder, model_decoder, rollout
-from labkit.tasks import EVAL_SEED, Problem, ProblemSource, format_prompt
+from labkit.stats import binomial_se, mean_interval
+from labkit.tasks import EVAL_SEED, Problem, ProblemSource, format_prompt, is_worked
 
 if TYPE_CHECKING:
     from labkit.config import TrainConfig
@@ -130,6 +131,68 @@ def evaluate(model, tokenizer, problems: Sequence[Problem], *, samples: int = 4,
     figures["eval/pass@1"] = sum(correct) / (samples * len(problems))
     figures[f"eval/pass@{k}"] = sum(pass_at_k(samples, c, k) for c in correct) / len(problems)
     return figures
+
+
+def answer_forms(problems: Sequence[Problem], texts: Sequence[str], correct: Sequence[float],
+                 samples: int) -> dict:
+    """How often the model works before it answers, and how right each form is, by difficulty.
+
+    `texts` holds `samples` completions per problem (next to each other) and `correct` their
+    verdicts. Difficulty is a problem's number of written steps plus one (an arithmetic
+    problem's operands). Returns `worked` (the share of worked completions: a t interval over
+    problems of each one's share), `by_difficulty` ({difficulty: draws, worked share,
+    accuracy of direct and of worked completions}) and `hardest`: on the problems of the
+    highest difficulty that were answered both ways, the accuracy of worked minus direct
+    completions, paired by problem (a t interval over those problems).
+    """
+    if samples < 1 or len(texts) != samples * len(problems) or len(correct) != len(texts):
+        raise ValueError(f"texts and correct need samples={samples} entries per problem "
+                         f"({samples * len(problems)}), got {len(texts)} and {len(correct)}")
+    shares, table, gaps = [], {}, {}
+    for i, problem in enumerate(problems):
+        forms = [is_worked(t) for t in texts[i * samples:(i + 1) * samples]]
+        right = correct[i * samples:(i + 1) * samples]
+        shares.append(sum(forms) / samples)
+        level = len(problem.steps) + 1
+        row = table.setdefault(level, {"draws": 0, "worked": 0, "worked_right": 0,
+                                       "direct_right": 0})
+        row["draws"] += samples
+        row["worked"] += sum(forms)
+        row["worked_right"] += sum(r for f, r in zip(forms, right) if f)
+        row["direct_right"] += sum(r for f, r in zip(forms, right) if not f)
+        if 0 < sum(forms) < samples:
+            worked = [r for f, r in zip(forms, right) if f]
+            direct = [r for f, r in zip(forms, right) if not f]
+            gaps.setdefault(level, []).append(sum(worked) / len(worked)
+                                              - sum(direct) / len(direct))
+    by_difficulty = {}
+    for level, row in sorted(table.items()):
+        direct = row["draws"] - row["worked"]
+        by_difficulty[level] = {
+            "draws": row["draws"], "worked_share": row["worked"] / row["draws"],
+            "accuracy_worked": row["worked_right"] / row["worked"] if row["worked"] else None,
+            "accuracy_direct": row["direct_right"] / direct if direct else None}
+    top = max(table)
+    floor = binomial_se(0.5, samples)  # the least spread one problem's draws can show
+    worked = mean_interval(shares, unit="problems", sd_floor=floor, bounds=(0, 1))
+    gap = (mean_interval(gaps[top], unit="problems", sd_floor=floor, bounds=(-1, 1))
+           if len(gaps.get(top, [])) > 1 else None)
+    return {"samples": samples, "worked": worked.to_dict(), "by_difficulty": by_difficulty,
+            "hardest": {"difficulty": top, "problems": len(gaps.get(top, [])),
+                        "difference": gap.to_dict() if gap else None}}
+
+
+def measure_forms(model, tokenizer, problems: Sequence[Problem], *, samples: int = 8,
+                  temperature: float = 1.0, max_new_tokens: int = 48, batch_size: int = 256,
+                  seed: int = 0, progress: bool = False, decoder=fast_decoder) -> dict:
+    """`answer_forms` of `samples` completions per problem drawn at `temperature` (the
+    rollout's distribution), from `seed`."""
+    texts = complete(model, tokenizer, [p.prompt for p in problems], group_size=samples,
+                     temperature=temperature, max_new_tokens=max_new_tokens,
+                     batch_size=max(1, batch_size // samples), seed=seed, progress=progress,
+                     decoder=decoder)
+    correct = judge([p for p in problems for _ in range(samples)], texts)
+    return answer_forms(problems, texts, correct, samples)
 
 
 def complete(model, tokenizer, prompts: Sequence[str], *, group_size: int = 1,

@@ -20,6 +20,12 @@ METRICS: dict[str, str] = {
         "mean completion length in tokens (unmasked tokens per row, EOS included)",
     "rollout/length_max": "longest completion of the step, in tokens",
     "rollout/truncated_frac": "fraction of completions that hit max_new_tokens without EOS",
+    "rollout/worked_frac":
+        "arithmetic: share of completions that work ('3+4=' before the box), not answer at once",
+    "rollout/acc_worked": "arithmetic: correctness of the worked completions (absent if none)",
+    "rollout/acc_direct": "arithmetic: correctness of the direct answers (absent if none)",
+    "rollout/length_correct": "arithmetic: mean tokens of the correct completions (absent if none)",
+    "rollout/length_incorrect": "arithmetic: mean tokens of the wrong completions (absent if none)",
     "rollout/overlong_penalty":
         "overlong_buffer > 0: the mean soft overlong punishment added to the rewards (DAPO), "
         "between -overlong_penalty and 0",

@@ -16,7 +16,7 @@ so one value has std 0; see `cgc` and `explained_variance` for their zero-denomi
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -220,6 +220,32 @@ def length_stats(mask, truncated=None) -> dict[str, float]:
            "rollout/length_max": lengths.max().item()}
     if truncated is not None:
         out |= _truncated_stats(truncated, m.shape[0])
+    return out
+
+
+def form_stats(texts: Sequence[str], correct: Sequence[float], lengths) -> dict[str, float]:
+    """How the step's completions answer: `rollout/worked_frac` (the share that works before
+    it answers, `labkit.tasks.is_worked`), the correctness of each form (`rollout/acc_worked`,
+    `rollout/acc_direct`) and the mean length in tokens of the correct and the wrong
+    completions (`rollout/length_correct`, `rollout/length_incorrect`); a form or class with
+    no completion leaves its key out. `lengths` (N,): tokens per completion."""
+    from labkit.tasks import is_worked
+
+    n = len(texts)
+    if len(correct) != n or len(lengths) != n or not n:
+        raise ValueError(f"texts, correct and lengths need the same N >= 1 entries, got "
+                         f"{n}, {len(correct)} and {len(lengths)}")
+    worked = [is_worked(t) for t in texts]
+    lengths = [float(x) for x in lengths]
+    out = {"rollout/worked_frac": sum(worked) / n}
+    for key, rows in (("rollout/acc_worked", [c for w, c in zip(worked, correct) if w]),
+                      ("rollout/acc_direct", [c for w, c in zip(worked, correct) if not w])):
+        if rows:
+            out[key] = sum(rows) / len(rows)
+    for key, right in (("rollout/length_correct", True), ("rollout/length_incorrect", False)):
+        rows = [x for x, c in zip(lengths, correct) if (c > 0) == right]
+        if rows:
+            out[key] = sum(rows) / len(rows)
     return out
 
 

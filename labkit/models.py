@@ -17,7 +17,11 @@ EMBEDDED_PATH = Path(__file__).resolve().parent / "zoo" / EMBEDDED_NAME
 SCRATCHPAD_NAME = "tiny-arith-scratchpad"
 """The second embedded model, same recipe: warm-started to write its running results before
 the boxed answer, on sums of 2 to 5 one-digit numbers (`TrainConfig.scratchpad`)."""
-EMBEDDED = {name: EMBEDDED_PATH.parent / name for name in (EMBEDDED_NAME, SCRATCHPAD_NAME)}
+THINK_NAME = "tiny-arith-think"
+"""The third embedded model: on the same sums, warm-started on a mix of worked solutions and
+direct answers, so how much it writes is its own choice (`TrainConfig.task='think'`)."""
+EMBEDDED = {name: EMBEDDED_PATH.parent / name
+            for name in (EMBEDDED_NAME, SCRATCHPAD_NAME, THINK_NAME)}
 """The models shipped in the package, by name (`labkit.zoo` builds them)."""
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,

@@ -25,6 +25,14 @@ def preflight(config: TrainConfig) -> None:
             raise ValueError(f"model={config.model!r}: no saved model there (no config.json)")
     if config.task == "gsm8k" and not Path(config.gsm8k_path).expanduser().is_file():
         raise ValueError(f"gsm8k_path={config.gsm8k_path!r} is not a file")
+    if config.task == "dataset":
+        from labkit.dataset_task import check_columns, read_rows
+
+        # the file read and its columns checked before the model loads
+        if not Path(config.dataset_path).expanduser().is_file():
+            raise ValueError(f"dataset_path={config.dataset_path!r} is not a file")
+        check_columns(config.dataset_path, read_rows(config.dataset_path),
+                      config.prompt_column, config.answer_column)
     if config.task == "code":
         if not Path(config.code_path).expanduser().is_file():
             raise ValueError(f"code_path={config.code_path!r} is not a file")

@@ -46,17 +46,22 @@ class Problem:
     """A code problem's test cases, Python run after the program (`labkit.code_tasks`)."""
     entry_point: str = ""
     """A code problem's function under test."""
+    columns: tuple[tuple[str, object], ...] = ()
+    """A dataset row's other columns as (name, value) pairs, which the reward functions
+    receive by name (`labkit.dataset_task`)."""
 
     def to_record(self) -> dict:
         """A dict with TRL's dataset column names (`prompt`, `answer`, ...); a code
-        problem's `tests` and `entry_point` only where it has them."""
+        problem's `tests` and `entry_point` only where it has them; a dataset row's other
+        columns under their own names."""
         record = asdict(self)
+        del record["columns"]
         record["steps"] = list(self.steps)
         if self.tests:
             record["tests"] = list(self.tests)
         else:
             del record["tests"], record["entry_point"]
-        return record
+        return record | dict(self.columns)
 
 
 ENUMERABLE = 200_000
@@ -107,6 +112,10 @@ class ArithmeticTask:
     """Operators to draw from, any of '+', '-', '*'."""
     scratchpad: bool = False
     """Write the running results before the boxed answer, e.g. '12+34=46,46+5=51'."""
+    worked: float = 0.0
+    """Share of reference completions (a warm start's targets) that write the running results;
+    the others give the boxed answer at once. Each draw picks its form, so one prompt is seen
+    both ways; 0 with scratchpad=False: every target direct; scratchpad=True: every one worked."""
     template: Literal["compact", "instruct"] = "compact"
     """'compact' for the tiny model ('12+34='); 'instruct' asks in words, for real models."""
     test_percent: int = 10
@@ -124,6 +133,11 @@ class ArithmeticTask:
             raise ValueError(f"ops must be a non-empty string of {OPS!r}, got {self.ops!r}")
         if self.template not in ("compact", "instruct"):
             raise ValueError(f"template must be 'compact' or 'instruct', got {self.template!r}")
+        if not 0 <= self.worked <= 1:
+            raise ValueError(f"worked must be between 0 and 1, got {self.worked}")
+        if self.worked and self.scratchpad:
+            raise ValueError("worked mixes direct and worked targets; scratchpad=True makes "
+                             "every target worked: set one of them")
         if not 1 <= self.test_percent <= 50:
             raise ValueError(f"test_percent must be between 1 and 50, got {self.test_percent}")
 
@@ -141,14 +155,16 @@ class ArithmeticTask:
         """The longest reference completion of the task (every operand at its largest; the
         first of `ops` that makes the running results longest), to size max_new_tokens."""
         high = 10**self.digits - 1
-        return max((self.make([high] * self.operands, [op] * (self.operands - 1)).target
+        worked = self.scratchpad or self.worked > 0
+        return max((self.make([high] * self.operands, [op] * (self.operands - 1), worked).target
                     for op in set(self.ops)), key=len)
 
     def split_of(self, expression: str) -> Split:
         return "test" if split_bucket(expression) < self.test_percent else "train"
 
-    def make(self, numbers: list[int], ops: list[str]) -> Problem:
-        """The problem for given operands and operators (left-to-right evaluation)."""
+    def make(self, numbers: list[int], ops: list[str], worked: bool | None = None) -> Problem:
+        """The problem for given operands and operators (left-to-right evaluation); its
+        target writes the running results when `worked` (None: when scratchpad)."""
         expression = str(numbers[0])
         value, steps, pad = numbers[0], [], []
         for op, n in zip(ops, numbers[1:]):
@@ -158,7 +174,8 @@ class ArithmeticTask:
             steps.append(str(value))
             pad.append(f"{before}{op}{n}={value}")
         answer = str(value)
-        work = ",".join(pad) + ". " if self.scratchpad else ""
+        worked = self.scratchpad if worked is None else worked
+        work = ",".join(pad) + ". " if worked else ""
         if self.template == "compact":
             prompt = f"{expression}="
         else:
@@ -206,7 +223,16 @@ class ArithmeticTask:
             raise ValueError(f"n={n} distinct problems asked of a {split} split that holds "
                              f"{len(everything)}: lower n or raise digits/operands")
         random.Random(f"{seed}:{split}:all").shuffle(everything)
-        return [self.make(numbers, ops) for numbers, ops in everything[:n]]
+        forms = self._forms(split, seed)
+        return [self.make(numbers, ops, next(forms)) for numbers, ops in everything[:n]]
+
+    def _forms(self, split: Split, seed: int):
+        """The form of each drawn problem's target (True: worked), from a stream of its own,
+        so mixing forms leaves the problems drawn unchanged."""
+        if not self.worked:
+            return itertools.repeat(None)
+        rng = random.Random(f"{seed}:{split}:form")
+        return (rng.random() < self.worked for _ in itertools.count())
 
     def sample(self, n: int, split: Split = "train", seed: int = 0,
                distinct: bool = False) -> list[Problem]:
@@ -223,6 +249,7 @@ class ArithmeticTask:
             raise ValueError(f"n={n} distinct problems asked of a {split} split of about "
                              f"{int(expected)}: lower n or raise digits/operands")
         rng, seen, out, misses = random.Random(f"{seed}:{split}"), set(), [], 0
+        forms = self._forms(split, seed)
         while len(out) < n:
             expression, numbers, ops = self._draw(rng)
             if self.split_of(expression) != split or (distinct and expression in seen):
@@ -237,8 +264,18 @@ class ArithmeticTask:
                 continue
             misses = 0
             seen.add(expression)
-            out.append(self.make(numbers, ops))
+            out.append(self.make(numbers, ops, next(forms)))
         return out
+
+
+STEP = re.compile(r"\d\s*[-+*]\s*\d+\s*=")
+"""One written step of a worked solution, like '12+5='."""
+
+
+def is_worked(completion: str) -> bool:
+    """Whether a completion works before it answers: a step like '3+4=' before its first
+    \\boxed (anywhere, when it boxes nothing). A direct answer is the box alone."""
+    return bool(STEP.search(completion.split("\\boxed", 1)[0]))
 
 
 DEFAULT_TASK = ArithmeticTask()
@@ -286,16 +323,19 @@ def load_gsm8k(path: str | Path, n: int | None = None, seed: int | None = None,
             if "####" not in str(row["answer"]):
                 raise ValueError(f"{path}:{line_no}: the answer field must end with '#### N'")
             rows.append(row)
-    rows = take(rows, n, seed)
-    problems = []
-    for row in rows:
-        answer = gsm8k_ground_truth(row["answer"])
-        # the worked solution without its calculator annotations <<a*b=c>>
-        work = re.sub(r"<<[^<>]*>>", "", row["answer"].rsplit("####", 1)[0])
-        problems.append(Problem(prompt=template.format(question=row["question"]),
-                                answer=answer, steps=tuple(gsm8k_steps(row["answer"])),
-                                target=f"{work.strip()}\nThe answer is \\boxed{{{answer}}}."))
-    return problems
+    return [gsm8k_problem(template.format(question=row["question"]), row["answer"])
+            for row in take(rows, n, seed)]
+
+
+def gsm8k_problem(prompt: str, solution: str, columns: tuple = ()) -> Problem:
+    """A problem whose ground truth is written GSM8K's way: a worked solution ending in
+    '#### N'. N is the answer, the solution (without its calculator annotations <<a*b=c>>)
+    the reference completion, its intermediate results the steps."""
+    answer = gsm8k_ground_truth(solution)
+    work = re.sub(r"<<[^<>]*>>", "", solution.rsplit("####", 1)[0])
+    return Problem(prompt=prompt, answer=answer, steps=tuple(gsm8k_steps(solution)),
+                   target=f"{work.strip()}\nThe answer is \\boxed{{{answer}}}.",
+                   columns=columns)
 
 
 def format_prompt(prompt: str, tokenizer=None) -> str:
@@ -306,6 +346,9 @@ def format_prompt(prompt: str, tokenizer=None) -> str:
     return prompt
 
 
+ARITHMETIC = ("arithmetic", "think")
+"""The tasks whose problems `ArithmeticTask` draws."""
+
 EVAL_SEED = 1234
 """Seed of the held-out problems: the same eval set for every run seed, so runs compare."""
 
@@ -315,7 +358,7 @@ class ProblemSource:
 
     def __init__(self, config: TrainConfig):
         self.config = config
-        if config.task == "arithmetic":
+        if config.task in ARITHMETIC:
             self.task = ArithmeticTask(digits=config.digits, operands=config.operands,
                                        ops=config.ops, min_operands=config.min_operands,
                                        scratchpad=config.scratchpad)
@@ -325,18 +368,24 @@ class ProblemSource:
                 from labkit.code_tasks import load_code_tasks
 
                 everything = load_code_tasks(config.code_path)
+            elif config.task == "dataset":
+                from labkit.dataset_task import load_dataset_task
+
+                everything = load_dataset_task(config.dataset_path, config.prompt_column,
+                                               config.answer_column)
             else:
                 everything = load_gsm8k(config.gsm8k_path)
             self.train = [p for p in everything if split_bucket(p.prompt) >= 20]
             held_out = [p for p in everything if split_bucket(p.prompt) < 20]
             if not self.train or not held_out:
-                raise ValueError(f"{config.code_path or config.gsm8k_path} is too small to "
+                raise ValueError(f"{config.code_path or config.gsm8k_path or config.dataset_path}"
+                                 " is too small to "
                                  "split into train and held-out problems")
             self.eval = held_out[:config.eval_n]
         self.cgc = self.eval[:config.cgc_prompts]
 
     def draw(self, step_seed: int) -> list[Problem]:
         B = self.config.batch_prompts
-        if self.config.task == "arithmetic":
+        if self.config.task in ARITHMETIC:
             return self.task.sample(B, "train", seed=step_seed)
         return random.Random(step_seed).choices(self.train, k=B)

@@ -35,9 +35,9 @@ from labkit.learner import (Learner, build_learner, learner_state, machine, make
                             peak_rss_mb, restore_learner, update_count)
 from labkit.lora import save_final
 from labkit.reproducible import set_threads
-from labkit.rewards import RewardError
+from labkit.rewards import RewardError, correctness
 from labkit.rollout import RolloutBatch
-from labkit.tasks import Problem, ProblemSource
+from labkit.tasks import ARITHMETIC, Problem, ProblemSource
 from labkit.trackers import Trackers
 
 STOPPED = "stopped.json"
@@ -164,6 +164,10 @@ def _one_step(config, learner, tokenizer, problems, step: int, step_seed: int,
     extra = {**out.stats, "perf/rollout_s": t1 - t0, "perf/update_s": t2 - t1,
              "perf/step_s": t2 - t0, "perf/tokens_per_s": tokens / max(t2 - t0, 1e-9),
              "perf/mem_mb": _memory_mb(device), "opt/lr": learner.scheduler.get_last_lr()[0]}
+    if config.task in ARITHMETIC and len(batch.texts) == len(problems) * config.group_size:
+        right = correctness(batch.texts,
+                            answer=[p.answer for p in problems for _ in range(config.group_size)])
+        extra |= M.form_stats(batch.texts, right, batch.completion_mask.sum(1).tolist())
     record = M.step_metrics(rewards=out.rewards, group_size=config.group_size,
                             advantages=out.advantages, mask=batch.completion_mask,
                             truncated=batch.truncated, values=out.values, returns=out.returns,

@@ -151,3 +151,14 @@ def test_runs_terminal_summary_fits_100_columns_with_the_verdicts_first():
     assert header.split()[:3] == ["run", "accuracy_before", "accuracy_after"]
     assert "reinforce++-baseline/seed=2" in "\n".join(lines)
     assert lines[-1].startswith("(and ") and "more fields in summary.json" in lines[-1]
+
+
+def test_eval_of_the_think_task_reports_the_answer_forms():
+    done = run("eval", "--task", "think", "--n", "40", "--samples", "2", "--device", "cpu")
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["model"] == "tiny-arith-think"
+    forms = result["forms"]
+    assert forms["samples"] == 2 and 0 <= forms["worked"]["mean"] <= 1
+    assert set(forms["by_difficulty"]) <= {"2", "3", "4", "5"}
+    assert sum(row["draws"] for row in forms["by_difficulty"].values()) == 80

@@ -15,7 +15,7 @@ from cli import in_process
 
 from labkit import lab
 from labkit.estimators import ESTIMATORS
-from labkit.config import TrainConfig
+from labkit.config import TASK_SHAPES, TrainConfig
 from labkit.lab.runner import check_parameters, config_values, notebook_parameters
 from labkit.lab.sweeps import load_sweep, plan
 from labkit.reward_expr import WRAPPERS, example
@@ -64,6 +64,10 @@ def _companions(name: str, text: str, tmp_path: Path) -> dict[str, str]:
         data.write_text(json.dumps({"prompt": "def f():\n", "test": "def check(c):\n    pass",
                                     "entry_point": "f"}) + "\n")
         return {"code_path": str(data), "reward": "code"}
+    if name == "task" and text == "dataset":
+        data = tmp_path / "rows.jsonl"
+        data.write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n")
+        return {"dataset_path": str(data)}
     return {}
 
 
@@ -197,7 +201,10 @@ def test_train_estimator_none_trains_on_the_raw_rewards(tmp_path):
     config = _written(run)
     assert (config["estimator"], config["report_to"], config["top_k"]) == ("none", "none", None)
     assert {"top_k", "value_clip", "share_prompt", "model", "device"} <= set(OPTIONAL)
-    assert all(config[name] is None for name in OPTIONAL if name not in ("estimator", "lr"))
+    # None takes the algorithm's (lr) or the task's value (digits, ... max_new_tokens)
+    resolved = ("estimator", "lr", *TASK_SHAPES["other"])
+    assert all(config[name] is None for name in OPTIONAL if name not in resolved)
+    assert {name: config[name] for name in TASK_SHAPES["other"]} == TASK_SHAPES["other"]
     assert config["lr"] == TrainConfig().lr  # lr=None: the algorithm's own
     groups = [json.loads(line) for line in (run / "rollouts.jsonl").read_text().splitlines()]
     completions = [c for g in groups for c in g["completions"]]

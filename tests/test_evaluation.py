@@ -170,3 +170,74 @@ def test_evaluate_bad_arguments(tiny, kwargs, name, monkeypatch):
     kwargs = {"problems": DEFAULT_TASK.sample(1, "test"), **kwargs}
     with pytest.raises(ValueError, match=name):
         evaluate(*tiny, **kwargs)
+
+
+# ---------------------------------------------------------------- answer forms
+
+W, D = "3+4=7. \\boxed{7}", "\\boxed{7}"
+
+
+def test_answer_forms_against_counts_by_hand():
+    from math import sqrt
+
+    from scipy.stats import t as student
+
+    from labkit.evaluation import answer_forms
+    from labkit.tasks import Problem
+
+    problems = [Problem("a", "7", steps=("7",)), Problem("b", "12", steps=("7", "12")),
+                Problem("c", "9", steps=("5", "9"))]
+    texts = [W, D, D, D, W, W, D, D, W, D, D, D]
+    correct = [1, 0, 1, 0, 1, 1, 0, 0, 0, 0, 1, 1]
+    found = answer_forms(problems, texts, correct, samples=4)
+    two, three = found["by_difficulty"][2], found["by_difficulty"][3]
+    assert two == {"draws": 4, "worked_share": 0.25, "accuracy_worked": 1.0,
+                   "accuracy_direct": pytest.approx(1 / 3)}
+    assert three["draws"] == 8 and three["worked_share"] == 3 / 8
+    assert three["accuracy_worked"] == pytest.approx(2 / 3)
+    assert three["accuracy_direct"] == pytest.approx(2 / 5)
+    # per-problem shares 1/4, 1/2, 1/4: their sd 0.144 is below the floor of 4 draws (0.25)
+    worked = found["worked"]
+    half = student.ppf(0.975, 2) * 0.25 / sqrt(3)
+    assert worked["mean"] == pytest.approx(1 / 3)
+    assert worked["high"] == pytest.approx(1 / 3 + half)
+    assert worked["low"] == 0.0  # 1/3 - half < 0, clipped at 0
+    # the hardest level (3 operands): worked minus direct per problem, 1 - 0 and 0 - 2/3
+    hardest = found["hardest"]
+    assert hardest["difficulty"] == 3 and hardest["problems"] == 2
+    assert hardest["difference"]["mean"] == pytest.approx((1 - 2 / 3) / 2)
+
+
+def test_answer_forms_without_both_forms_on_the_hardest_gives_no_difference():
+    from labkit.evaluation import answer_forms
+    from labkit.tasks import Problem
+
+    found = answer_forms([Problem("a", "7", steps=("7",)), Problem("b", "7", steps=("7",))],
+                         [D, D, W, W], [0, 0, 1, 1], samples=2)
+    assert found["hardest"]["difference"] is None
+    assert found["by_difficulty"][2]["worked_share"] == 0.5
+    with pytest.raises(ValueError, match="samples=2"):
+        answer_forms([Problem("a", "7")], [D], [0], samples=2)
+
+
+def test_the_think_model_card_leaves_room_for_rl():
+    """The shipped tiny-arith-think card passes the build's own room checks, and the model
+    answers both ways on fresh held-out problems, working more often right."""
+    import json
+
+    from labkit.evaluation import measure_forms
+    from labkit.models import EMBEDDED, THINK_NAME, load
+    from labkit.tasks import ArithmeticTask
+    from labkit.zoo.__main__ import problems_with
+
+    card = json.loads((EMBEDDED[THINK_NAME] / "card.json").read_text())
+    assert problems_with(card) == []
+    assert 0.2 <= card["forms"]["worked"]["mean"] <= 0.8
+    assert card["forms"]["hardest"]["difference"]["low"] > 0
+    model, tokenizer = load(THINK_NAME, device="cpu")
+    problems = ArithmeticTask(digits=1, operands=5, min_operands=2).sample(
+        150, "test", seed=77, distinct=True)
+    found = measure_forms(model, tokenizer, problems, samples=4, seed=77)
+    assert 0.2 <= found["worked"]["mean"] <= 0.8
+    rows = found["by_difficulty"]
+    assert rows[5]["accuracy_worked"] > rows[5]["accuracy_direct"]

@@ -516,3 +516,17 @@ def test_gav_of_ppo_is_the_gav_of_row_means_of_whitened_gae():
     want = ref_gav(row_means(whitened, mask.tolist()), g)
     assert M.gav(adv, g, mask=mask) == pytest.approx(want, rel=1e-4)
     assert std(selected(whitened, mask.tolist())) == pytest.approx(1, abs=0.05)  # whitened
+
+
+def test_form_stats_by_hand():
+    texts = ["1+2=3. \\boxed{3}", "\\boxed{3}", "\\boxed{4}", "1+2=3,3+4=7. \\boxed{7}"]
+    out = M.form_stats(texts, [1.0, 1.0, 0.0, 0.0], [10, 4, 4, 16])
+    assert out == {"rollout/worked_frac": 0.5, "rollout/acc_worked": 0.5,
+                   "rollout/acc_direct": 0.5, "rollout/length_correct": 7.0,
+                   "rollout/length_incorrect": 10.0}
+    direct_only = M.form_stats(["\\boxed{3}"], [1.0], [4])
+    assert direct_only == {"rollout/worked_frac": 0.0, "rollout/acc_direct": 1.0,
+                           "rollout/length_correct": 4.0}
+    assert set(out) <= set(M.METRICS)
+    with pytest.raises(ValueError, match="same N"):
+        M.form_stats(["\\boxed{3}"], [1.0, 0.0], [4])

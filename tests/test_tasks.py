@@ -18,7 +18,7 @@ import pytest
 
 from labkit.rewards import correctness, step_completeness
 from labkit.tasks import DEFAULT_TASK, GSM8K_TEMPLATE, ArithmeticTask, Problem, format_prompt, \
-    load_gsm8k
+    is_worked, load_gsm8k
 
 GSM8K_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
 
@@ -424,3 +424,55 @@ def test_longest_target_and_bad_min_operands():
     for bad in (1, 6):
         with pytest.raises(ValueError, match="min_operands"):
             ArithmeticTask(operands=5, min_operands=bad)
+
+
+# ---------------------------------------------------------------- mixed answer forms
+
+THINK = dict(digits=1, operands=5, min_operands=2)
+
+
+def test_worked_mixes_forms_at_its_share_and_leaves_the_problems_unchanged():
+    plain = ArithmeticTask(**THINK).sample(3000, "train", seed=5)
+    mixed = ArithmeticTask(**THINK, worked=0.3).sample(3000, "train", seed=5)
+    assert [p.prompt for p in mixed] == [p.prompt for p in plain]
+    assert [p.answer for p in mixed] == [p.answer for p in plain]
+    forms = []
+    for p in mixed:
+        direct = p.target == f"\\boxed{{{p.answer}}}"
+        # a worked target writes each running result, in order, then the box
+        steps = re.findall(r"=(-?\d+)", p.target)
+        assert direct or (tuple(steps) == p.steps
+                          and p.target.endswith(f". \\boxed{{{p.answer}}}")), p
+        forms.append(not direct)
+    share = sum(forms) / len(forms)
+    assert abs(share - 0.3) < 4 * (0.3 * 0.7 / len(forms)) ** 0.5, share
+    # every prompt of a small space can be seen both ways: the form is drawn per draw
+    both = {p.prompt for p, f in zip(mixed, forms) if f} & \
+           {p.prompt for p, f in zip(mixed, forms) if not f}
+    assert both
+    # the distinct, enumerated draw mixes too
+    listed = ArithmeticTask(digits=1, operands=2, worked=0.5).sample(80, "train", seed=0,
+                                                                     distinct=True)
+    assert 0 < sum(is_worked(p.target) for p in listed) < 80
+
+
+def test_worked_and_scratchpad_extremes_and_bad_values():
+    assert all(is_worked(p.target) for p in
+               ArithmeticTask(**THINK, worked=1.0).sample(50, seed=0))
+    assert not any(is_worked(p.target) for p in ArithmeticTask(**THINK).sample(50, seed=0))
+    assert (ArithmeticTask(**THINK, worked=0.5).longest_target()
+            == ArithmeticTask(**THINK, scratchpad=True).longest_target())
+    for bad in (-0.1, 1.5):
+        with pytest.raises(ValueError, match="worked"):
+            ArithmeticTask(worked=bad)
+    with pytest.raises(ValueError, match="scratchpad"):
+        ArithmeticTask(worked=0.5, scratchpad=True)
+
+
+@pytest.mark.parametrize("text, worked", [
+    ("\\boxed{12}", False), (" \\boxed{7}", False), ("3+4=7,7+5=12. \\boxed{12}", True),
+    ("12 + 5 = 17 \\boxed{17}", True), ("\\boxed{3+4=7}", False), ("7", False),
+    ("3+4=7, no box", True), ("the sum is \\boxed{7}", False), ("9*2=18. \\boxed{18}", True),
+])
+def test_is_worked_reads_a_step_before_the_box(text, worked):
+    assert is_worked(text) is worked

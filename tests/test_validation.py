@@ -71,6 +71,9 @@ BAD_CONFIGS = [
     (dict(operands=3, min_operands=4), "min_operands", "between 2 and operands=3"),
     (dict(scratchpad=True, digits=1, operands=5, min_operands=2), "max_new_tokens", ">= 43"),
     (dict(scratchpad=True, task="gsm8k", gsm8k_path="x.jsonl"), "scratchpad", "arithmetic"),
+    (dict(task="think", max_new_tokens=40), "max_new_tokens", ">= 43"),
+    (dict(task="think", scratchpad=True), "scratchpad", "policy"),
+    (dict(task="think", digits=0), "digits", ">= 1"),
     (dict(digits=1), "eval_n", "held-out"),
     (dict(seed=2**40), "seed", "2**32"),
     (dict(seed="0"), "seed", "integer"),
@@ -193,6 +196,22 @@ def test_scratchpad_loads_the_embedded_scratchpad_model_unless_a_model_is_named(
     assert TrainConfig(**fields).model == SCRATCHPAD_NAME
     assert TrainConfig(**fields, model="tiny-arith").model == "tiny-arith"
     assert TrainConfig().model is None and not TrainConfig().scratchpad
+
+
+def test_the_think_task_brings_its_model_and_shape_unless_given():
+    from labkit.config import TASK_SHAPES
+    from labkit.models import THINK_NAME
+
+    config = TrainConfig(task="think")
+    assert config.model == THINK_NAME
+    assert (config.digits, config.operands, config.min_operands, config.max_new_tokens) == \
+        (1, 5, 2, 48)
+    given = TrainConfig(task="think", operands=4, max_new_tokens=64, model="tiny-arith")
+    assert (given.operands, given.max_new_tokens, given.model, given.digits) == \
+        (4, 64, "tiny-arith", 1)
+    plain = TrainConfig()
+    assert {k: getattr(plain, k) for k in TASK_SHAPES["other"]} == TASK_SHAPES["other"]
+    assert plain.model is None
 
 
 def test_a_list_of_reward_pairs_is_stored_as_its_sum():

@@ -122,3 +122,39 @@ def test_the_scratchpad_preset_builds_on_worked_solutions(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["build", "--preset", "tiny-arith-scratchpad", "--scratchpad", "maybe"])
     assert "true or false" in capsys.readouterr().err
+
+
+def test_the_think_preset_mixes_forms_and_its_card_measures_them(tmp_path):
+    from labkit.zoo import PRESETS
+
+    recipe = Recipe(**{**PRESETS["tiny-arith-think"], **SMALL})
+    assert recipe.task().worked == 0.5 and not recipe.task().scratchpad
+    card = build(tmp_path, recipe, progress=False, name="tiny-arith-think")
+    forms = card["forms"]
+    assert sum(row["draws"] for row in forms["by_difficulty"].values()) == 16 * 8
+    readme = (tmp_path / "README.md").read_text()
+    assert "--preset tiny-arith-think" in readme and "Answer forms" in readme
+    assert f"{forms['worked']['mean']:.3f}" in readme
+
+
+def _card(share, gap_low, pass1=0.4, greedy=0.7):
+    gap = None if gap_low is None else {"mean": gap_low + 0.1, "low": gap_low,
+                                        "high": gap_low + 0.2}
+    return {"held_out": {"eval/accuracy": greedy, "eval/pass@1": pass1},
+            "forms": {"worked": {"mean": share}, "hardest": {"difference": gap}}}
+
+
+@pytest.mark.parametrize("card, says", [
+    (_card(0.6, 0.3), None),
+    (_card(0.1, 0.3), "share of worked answers"),
+    (_card(0.9, 0.3), "share of worked answers"),
+    (_card(0.6, -0.01), "hardest"),
+    (_card(0.6, None), "hardest"),
+    (_card(0.6, 0.3, pass1=0.7), "eval/pass@1"),
+    ({"held_out": {"eval/accuracy": 0.7, "eval/pass@1": 0.4}}, "eval/accuracy"),
+])
+def test_the_build_check_says_why_a_model_leaves_too_little_room(card, says):
+    from labkit.zoo.__main__ import problems_with
+
+    found = problems_with(card)
+    assert (found == []) if says is None else any(says in line for line in found), found

@@ -89,11 +89,15 @@ class Recipe:
     """Task: fewest numbers per problem (0: always `operands`)."""
     scratchpad: bool = False
     """Task: the targets write the running results before the boxed answer."""
+    worked: float = 0.0
+    """Task: share of targets that write the running results, the others answer at once
+    (each draw picks its form), so the model leaves the warm start able to do both."""
 
     def task(self) -> ArithmeticTask:
         """The task the model is warm-started on (addition)."""
         return ArithmeticTask(digits=self.digits, operands=self.operands,
-                              min_operands=self.min_operands, scratchpad=self.scratchpad)
+                              min_operands=self.min_operands, scratchpad=self.scratchpad,
+                              worked=self.worked)
 
     def max_new_tokens(self) -> int:
         """Completion budget of the card's evaluation: the longest target, EOS and a margin."""
@@ -115,9 +119,14 @@ class Recipe:
         self.task()  # the task's own rules (digits, operands, min_operands)
 
 
+FORM_SAMPLES = 8
+"""Draws per held-out problem (temperature 1) for the card's answer forms: how often the
+model works before it answers, and how right each form is."""
+
 PRESETS = {
     "tiny-arith": {},
     "tiny-arith-scratchpad": dict(digits=1, operands=5, min_operands=2, scratchpad=True),
+    "tiny-arith-think": dict(digits=1, operands=5, min_operands=2, worked=0.5, target=0.6),
 }
 """The embedded models by name: each one's Recipe fields besides the defaults."""
 
@@ -195,7 +204,7 @@ def build(out: str | Path, recipe: Recipe | None = None, progress: bool = True,
           name: str = "tiny-arith") -> dict:
     """Train an embedded model, measure it on held-out problems, and save it with its card
     (`name` heads the card)."""
-    from labkit.evaluation import evaluate
+    from labkit.evaluation import evaluate, measure_forms
 
     recipe = recipe or Recipe()
     task = recipe.task()
@@ -205,6 +214,9 @@ def build(out: str | Path, recipe: Recipe | None = None, progress: bool = True,
     test = task.sample(recipe.test_size, "test", seed=recipe.seed, distinct=True)
     figures = evaluate(model, tokenizer, test, samples=recipe.test_samples, seed=recipe.seed,
                        max_new_tokens=recipe.max_new_tokens(), progress=progress)
+    forms = (measure_forms(model, tokenizer, test, samples=FORM_SAMPLES, seed=recipe.seed,
+                           max_new_tokens=recipe.max_new_tokens(), progress=progress)
+             if recipe.worked else None)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     model.generation_config.do_sample = False
@@ -218,9 +230,11 @@ def build(out: str | Path, recipe: Recipe | None = None, progress: bool = True,
         "sft_steps": log["steps"],
         "dev_curve": log["curve"],
         "held_out": figures,
+        **({"forms": forms} if forms else {}),
         "train_seconds": round(train_s, 1),
         "torch": torch.__version__,
-        "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
+        "machine": f"{platform.machine()}, {torch.get_num_threads()} thread"
+                   f"{'s' * (torch.get_num_threads() > 1)}",
     }
     (out / "card.json").write_text(json.dumps(card, indent=2) + "\n")
     (out / "README.md").write_text(model_card(card))
@@ -231,14 +245,22 @@ def model_card(card: dict) -> str:
     """The human-readable model card (README.md beside the weights)."""
     r, f = card["recipe"], card["held_out"]
     name = card.get("name", "tiny-arith")
-    role = "default model" if name == "tiny-arith" else "scratchpad model"
+    roles = {"tiny-arith": "default model", "tiny-arith-scratchpad": "scratchpad model",
+             "tiny-arith-think": "model that chooses how much to write"}
+    role = roles.get(name, "model")
     preset = "" if name == "tiny-arith" else f" --preset {name}"
     count = (f"{r['operands']}" if not r.get("min_operands")
              else f"{r['min_operands']} to {r['operands']}")
     digits = f"{r['digits']} digit{'s' * (r['digits'] > 1)}"
-    task = (f"addition of {count} numbers of up to {digits}, prompt `a+b=`, target "
-            + ("the running results, then `\\boxed{sum}<eos>`, e.g. `3+4=7,7+5=12. "
-               "\\boxed{12}`" if r.get("scratchpad") else "`\\boxed{a+b}<eos>`"))
+    worked = "the running results, then `\\boxed{sum}<eos>`, e.g. `3+4=7,7+5=12. \\boxed{12}`"
+    if r.get("scratchpad"):
+        target = worked
+    elif r.get("worked"):
+        target = (f"for {r['worked']:.0%} of the draws {worked}, for the others "
+                  "`\\boxed{sum}<eos>` at once (each draw picks its form)")
+    else:
+        target = "`\\boxed{a+b}<eos>`"
+    task = f"addition of {count} numbers of up to {digits}, prompt `a+b=`, target {target}"
     return f"""# {name}: labkit's embedded {role}
 
 A {card['parameters']:,}-parameter Llama ({r['num_layers']} layers, width {r['hidden_size']},
@@ -263,5 +285,35 @@ for RL.
 | pass@{r['test_samples']} | {f[f"eval/pass@{r['test_samples']}"]:.3f} |
 | mean greedy completion length (characters) | {f['eval/length']:.1f} |
 
-`card.json` holds the same figures and the dev curve.
+{forms_section(card)}`card.json` holds the same figures and the dev curve.
+"""
+
+
+def forms_section(card: dict) -> str:
+    """The card's answer forms (models warm-started on both forms), else nothing."""
+    forms = card.get("forms")
+    if not forms:
+        return ""
+    w, hardest = forms["worked"], forms["hardest"]
+    rows = "\n".join(
+        f"| {level} | {row['draws']} | {row['worked_share']:.3f} | "
+        + " | ".join("-" if row[k] is None else f"{row[k]:.3f}"
+                     for k in ("accuracy_direct", "accuracy_worked")) + " |"
+        for level, row in forms["by_difficulty"].items())
+    gap = hardest["difference"]
+    gap_text = ("no problem was answered both ways" if gap is None else
+                f"{gap['mean']:.3f} [{gap['low']:.3f}, {gap['high']:.3f}] over "
+                f"{hardest['problems']} problems answered both ways")
+    return f"""## Answer forms at the start of RL ({forms['samples']} draws per problem, temperature 1)
+Whether a completion works (writes a step like `3+4=7` before its box) or answers at once is
+the model's choice: the prompt does not say. Share of worked completions:
+{w['mean']:.3f} [{w['low']:.3f}, {w['high']:.3f}] (a t interval over the problems).
+
+| operands | draws | worked share | accuracy, direct | accuracy, worked |
+|---|---|---|---|---|
+{rows}
+
+On the hardest problems ({hardest['difficulty']} operands), accuracy of worked minus direct
+completions, paired by problem: {gap_text}.
+
 """
