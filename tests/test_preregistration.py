@@ -262,3 +262,28 @@ def test_a_ratio_within_each_run_is_decided_from_the_per_seed_record():
     assert claims.claim_verdict(result).verdict == stats.INCONCLUSIVE
     result.records = [{k: v for k, v in r.items() if "rloo" not in k} for r in records]
     assert claims.claim_verdict(result).figure == claims.NOT_MEASURED  # no such figure
+
+
+def test_a_change_within_each_run_of_one_arm_is_decided_from_the_per_seed_record():
+    """Claims 11 and 12: the last fifth's mean length minus the first step's, within each run
+    of the named arm (the other arm's runs ignored), paired t over seeds."""
+    start = [24.0, 23.5, 24.4, 23.9, 24.1]
+    final = [30.5, 29.0, 31.2, 28.4, 30.0]
+    records = [{"sweep_run": "seed=0", "arm": arm, "seed": s, "length_start": a,
+                "length_final": b if arm == "grpo" else a - 1.0}
+               for arm in ("grpo", "ppo") for s, (a, b) in enumerate(zip(start, final))]
+    result = _result({"measure": "length_change", "compare": ["grpo"], "direction": "above",
+                      "threshold": 0}, [])
+    result.records = records
+    decided = claims.claim_verdict(result)
+    want = stats.paired_interval(final, start, 0.95)
+    assert decided.verdict == stats.SUPPORTED
+    assert f"grpo: length_final - length_start {want.format(2)}" in decided.figure
+    result.claim["preregistered"]["compare"] = ["ppo"]  # every ppo run shrank by 1 token
+    assert claims.claim_verdict(result).verdict == stats.REFUTED
+    with pytest.raises(ValueError, match=r"\[ARM\], for a measure within one arm"):
+        preregistration.check({**result.claim, "preregistered": {
+            **result.claim["preregistered"], "compare": ["a", "b", "c"]}}, "x")
+    with pytest.raises(ValueError, match=r"must be \[ARM, BASELINE\]"):
+        preregistration.check({**result.claim, "preregistered": {
+            **result.claim["preregistered"], "measure": "gain", "compare": ["grpo"]}}, "x")

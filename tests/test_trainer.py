@@ -517,3 +517,23 @@ def test_adaptive_kl_moves_beta_and_a_checkpoint_keeps_it(tmp_path):
     assert state["beta"] == pytest.approx(0.1 * factor ** 3, rel=1e-12)
     with pytest.raises(ValueError, match="kl_target adapts beta"):
         TrainConfig(kl_target=0.01)
+
+
+def test_summary_rows_read_length_and_worked_share_at_the_start_and_the_end(tmp_path):
+    from labkit.lab import summary_rows
+    from labkit.trainer import RunResult
+
+    history = [{"step": 0, "eval/accuracy": 0.4}] + [
+        {"step": s, "rollout/length_mean": 20.0 + s, "rollout/worked_frac": 0.5 + 0.05 * s,
+         "rollout/reward_mean": 0.5, "perf/step_s": 1.0, "perf/mem_mb": 100.0}
+        for s in range(1, 11)]
+    result = RunResult(tmp_path, TrainConfig(task="think"), 10, 0.4, 0.6, 1.0, history)
+    row = summary_rows({"grpo/seed=0": result})[0]
+    # the first step's values, and the means of the last fifth (steps 9 and 10)
+    assert row["length_start"] == 21.0 and row["length_final"] == 29.5
+    assert row["worked_start"] == pytest.approx(0.55)
+    assert row["worked_final"] == pytest.approx(0.975)
+    without = RunResult(tmp_path, TrainConfig(), 10, 0.4, 0.6, 1.0,
+                        [{k: v for k, v in r.items() if k != "rollout/worked_frac"}
+                         for r in history])
+    assert "worked_start" not in summary_rows({"grpo/seed=0": without})[0]

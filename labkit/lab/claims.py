@@ -76,7 +76,7 @@ def claim_verdict(result: ClaimResult) -> ClaimVerdict:
     which the stored intervals cannot give."""
     prereg = preregistration.check(result.claim, result.file.name, check_arms=False)
     test = prereg.describe()
-    within = PER_SEED_MEASURES.get(prereg.measure, ("", 0, ""))[2] == "within"
+    within = PER_SEED_MEASURES.get(prereg.measure, ("", 0, ""))[2] in ("within", "change")
     if prereg.measure in PER_SEED_MEASURES and (prereg.compare or within) and result.records:
         decided = _from_records(prereg, result.records, result.looks)
         if decided is not None:
@@ -114,11 +114,13 @@ PER_SEED_MEASURES = {"gain": ("gain", 100.0, "difference"),
                      "step_time_ratio": ("step_s", 1.0, "ratio"),
                      "collapse_difference": ("collapsed", 1.0, "binary"),
                      "grad_rel_var_ratio": (("diag.grad_rel_var_raw.ppo_critic",
-                                             "diag.grad_rel_var_raw.rloo"), 1.0, "within")}
+                                             "diag.grad_rel_var_raw.rloo"), 1.0, "within"),
+                     "length_change": (("length_final", "length_start"), 1.0, "change"),
+                     "worked_change": (("worked_final", "worked_start"), 1.0, "change")}
 """The primary measures a claim's per-seed record decides: measure -> (the record's
 figure, its scale (gain in points), how two arms compare); a "within" measure is the ratio
-of two figures of one run (numerator, denominator), over the seeds of the compared arm (or
-of the record's one arm)."""
+of two figures of one run (numerator, denominator), a "change" measure their difference
+(end minus start), over the seeds of the compared arm (or of the record's one arm)."""
 
 
 def _table(records: list[dict], key: str, scale: float) -> dict[str, dict[int, float]]:
@@ -149,8 +151,8 @@ def _from_records(prereg, records: list[dict], looks: tuple[int, ...] | None = N
     record, read at each look of the claim's plan that its seeds reach and stopped at the
     first decided one; None where the record lacks the compared arms."""
     key, scale, kind = PER_SEED_MEASURES[prereg.measure]
-    if kind == "within":
-        return _within(prereg, records, *key, looks=looks)
+    if kind in ("within", "change"):
+        return _within(prereg, records, *key, looks=looks, change=kind == "change")
     table = _table(records, key, scale)
     base = _arm(table, prereg.compare[1])
     every = prereg.compare[0] == "all"
@@ -184,10 +186,12 @@ def _from_records(prereg, records: list[dict], looks: tuple[int, ...] | None = N
 
 
 def _within(prereg, records: list[dict], top: str, bottom: str,
-            looks: tuple[int, ...] | None = None) -> tuple[str, str, str] | None:
+            looks: tuple[int, ...] | None = None, change: bool = False
+            ) -> tuple[str, str, str] | None:
     """A ratio of two figures of each run (`top` / `bottom`), over seeds: the log-ratio t
-    interval, read at the looks of the claim's plan. The arm is the compared one, or the
-    record's only arm; None where the record lacks the figures."""
+    interval; with `change`, their difference (`top` - `bottom`): the paired t interval; read
+    at the looks of the claim's plan. The arm is the compared one, or the record's only arm;
+    None where the record lacks the figures."""
     arms = sorted({r["arm"] for r in records if top in r and bottom in r})
     arm = prereg.compare[0] if prereg.compare else (arms[0] if len(arms) == 1 else None)
     pairs = {r["seed"]: (r[top], r[bottom]) for r in records
@@ -202,10 +206,11 @@ def _within(prereg, records: list[dict], top: str, bottom: str,
 
     def read(n: int, k: int) -> tuple[str, tuple[str, stats.Interval]]:
         first = seeds[:n]
-        interval = stats.ratio_interval([pairs[s][0] for s in first],
-                                        [pairs[s][1] for s in first],
-                                        plan.confidence(k, prereg.direction))
-        return prereg.decide(interval), (f"{arm}: {top.split('.')[-1]} / "
+        compare = stats.paired_interval if change else stats.ratio_interval
+        interval = compare([pairs[s][0] for s in first], [pairs[s][1] for s in first],
+                           plan.confidence(k, prereg.direction))
+        sign = "-" if change else "/"
+        return prereg.decide(interval), (f"{arm}: {top.split('.')[-1]} {sign} "
                                          f"{bottom.split('.')[-1]} {interval.format(2)}",
                                          interval)
 

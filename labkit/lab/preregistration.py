@@ -39,10 +39,17 @@ MEASURES = {
     "informative_share_error": "observed share of informative groups minus the formula's "
                                "prediction 1 - p^G - (1-p)^G",
     "collapse_difference": "share of runs that collapsed, arm minus baseline, paired by seed",
+    "length_change": "mean completion length over the last fifth of the steps minus the "
+                     "first step's, within each run of the arm, tokens, over seeds",
+    "worked_change": "share of completions that work before they answer, last fifth of the "
+                     "steps minus the first step, within each run of the arm, over seeds",
     "monitor_youden": "a monitor's sensitivity + specificity - 1 over runs (fired before a "
                       "collapse; stayed quiet on a healthy run)",
 }
 """The primary measures a claim may name, with what each is."""
+
+ONE_ARM = ("grad_rel_var_ratio", "length_change", "worked_change")
+"""Measures read within each run of one arm: their `compare` may name that arm alone."""
 
 KEYS = ("article", "measure", "compare", "finding", "direction", "threshold", "margin", "seeds")
 REQUIRED = ("article", "measure", "direction", "threshold", "seeds")
@@ -120,10 +127,12 @@ def check(claim: dict, where: str, arms: list[str] | None = None,
         raise ValueError(f"{who}.seeds must be an integer >= {MIN_SEEDS} (seeds planned per "
                          f"arm), got {seeds!r}")
     compare = block.get("compare") or []
-    if not isinstance(compare, list) or len(compare) != (2 if compare else 0) \
+    sizes = (0, 1, 2) if block["measure"] in ONE_ARM else (0, 2)
+    if not isinstance(compare, list) or len(compare) not in sizes \
             or not all(isinstance(c, str) for c in compare):
-        raise ValueError(f"{who}.compare must be [ARM, BASELINE] (ARM may be 'all'), got "
-                         f"{compare!r}")
+        one = " or [ARM], for a measure within one arm's runs" if 1 in sizes else ""
+        raise ValueError(f"{who}.compare must be [ARM, BASELINE] (ARM may be 'all'){one}, "
+                         f"got {compare!r}")
     if compare and check_arms:
         if arms is None:
             raise ValueError(f"{who}.compare names arms, but the sweep runs none")

@@ -94,7 +94,9 @@ def summary_rows(results: Mapping[str, RunResult]) -> list[dict]:
     """One row per run (its `arm`, the name without "/seed=s", and its `seed`): accuracy
     before/after and their difference (`gain`), final reward, cost, the mean over steps of
     KL, entropy, clip fractions, GAV and completion length (`length`; `length_final` over
-    the last fifth of the steps; missing keys left out), the area under the held-out
+    the last fifth of the steps, `length_start` the first step's; missing keys left out),
+    on an arithmetic task the share of worked completions (`worked_start`, the first
+    step's; `worked_final`, over the last fifth), the area under the held-out
     accuracy curve (`accuracy_auc`), whether the run was found dead
     (`dead_run` 1 or 0; `dead_step`, the step it was found) and whether it collapsed
     (`collapsed` 1 or 0; `collapse_step`, see `collapse_step`); for a run that measured
@@ -119,6 +121,12 @@ def summary_rows(results: Mapping[str, RunResult]) -> list[dict]:
         row |= {k: _mean(_values(h, key)) for k, key in means.items()}
         lengths = _values(h, "rollout/length_mean")
         row["length_final"] = _mean(lengths[-max(1, len(lengths) // 5):])
+        if lengths:
+            row["length_start"] = lengths[0]
+        worked = _values(h, "rollout/worked_frac")
+        if worked:
+            row["worked_start"] = worked[0]
+            row["worked_final"] = _mean(worked[-max(1, len(worked) // 5):])
         row["accuracy_auc"] = accuracy_auc(h)
         row["dead_run"] = int(result.dead is not None)
         if result.dead is not None:
