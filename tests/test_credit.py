@@ -2,7 +2,6 @@
 continuation on a six-token vocabulary, the advantages and position means they feed, and
 the ends of written steps."""
 
-import itertools
 import math
 
 import pytest
