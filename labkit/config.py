@@ -258,6 +258,17 @@ class TrainConfig:
     """Diagnostics: K independent batches of G completions per prompt (the gradient noise)."""
     diag_samples: int = bounded(128, ge=2)
     """Diagnostics: M completions per prompt for V* and the reference gradient."""
+    credit_every: int = bounded(0, ge=0)
+    """Steps between looks through the credit microscope (labkit.credit) at the current
+    policy (and PPO's critic), also at the last step: the Monte Carlo value of every prefix
+    of the first credit_prompts held-out problems' completions against the critic, GAE and
+    GRPO, as flat `credit/...` figures in metrics.jsonl and the errors by position as a
+    line of credit.jsonl. 0: never."""
+    credit_prompts: int = bounded(16, ge=1)
+    """Credit microscope: the first held-out problems looked at (G completions each); at
+    most eval_n."""
+    credit_samples: int = bounded(8, ge=1)
+    """Credit microscope: continuations drawn from each prefix for its Monte Carlo value."""
     run_dir: str | None = None
     """Where the run writes; None makes experiments/runs/<algo>/<time>-<pid>."""
     checkpoint_every: int = bounded(0, ge=0)

@@ -78,6 +78,9 @@ def check_combinations(config: TrainConfig) -> None:
     if config.rows % config.minibatches:
         raise ValueError(f"minibatches={config.minibatches} must divide the batch_prompts * "
                          f"group_size = {config.rows} rows of a step")
+    if config.credit_every and config.credit_prompts > config.eval_n:
+        raise ValueError(f"credit_prompts={config.credit_prompts} held-out problems asked of "
+                         f"eval_n={config.eval_n}: lower credit_prompts or raise eval_n")
     if config.diag_every and config.diag_prompts > config.eval_n:
         raise ValueError(f"diag_prompts={config.diag_prompts} must be <= eval_n="
                          f"{config.eval_n}: the diagnostics measure held-out problems")

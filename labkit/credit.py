@@ -15,10 +15,12 @@ derivation is 4.7 times its error at the first.
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import Tensor
@@ -228,3 +230,73 @@ def look(trainer, problems, *, samples: int = 8, seed: int = 0) -> Microscope:
         found.critic = values.cpu().float().masked_fill(~mask.bool(), math.nan)
         found.gae = estimate.advantages.cpu().float().masked_fill(~mask.bool(), math.nan)
     return found
+
+
+CREDIT_FILE = "credit.jsonl"
+STEPS_LOGGED = 4
+"""Steps after which a run logs the critic's error (`credit/critic_err_s1` .. `_s4`)."""
+
+
+class RunCredit:
+    """A run's looks through the microscope every `config.credit_every` steps (and at the
+    last step; never at step 0, before the critic has learned anything): `measure(trainer,
+    step)` returns the flat `credit/...` floats for that step's metrics.jsonl record ({} on
+    other steps) and appends the errors by position to credit.jsonl. Its draws come from
+    their own generators; python's and torch's global states are restored after it, so a run
+    logs the same training metrics with or without it."""
+
+    def __init__(self, config, run_dir):
+        self.config = config
+        self.path = Path(run_dir) / CREDIT_FILE
+
+    def due(self, step: int) -> bool:
+        every = self.config.credit_every
+        return bool(every) and step > 0 and (step % every == 0 or step == self.config.steps)
+
+    def measure(self, trainer, step: int) -> dict[str, float]:
+        if not self.due(step):
+            return {}
+        import random
+
+        config = self.config
+        state = random.getstate()
+        devices = [trainer.device] if trainer.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            found = look(trainer, trainer.problems.eval[:config.credit_prompts],
+                         samples=config.credit_samples, seed=config.seed * 7919 + step)
+        random.setstate(state)
+        errors = found.errors()
+        mask = found.batch.completion_mask.bool()
+        flat = {"credit/continuations": float(found.mc.continuations),
+                "credit/seconds": found.mc.seconds}
+        for name in errors:
+            flat[f"credit/{name}_err"] = _token_mean(errors[name], mask)
+        steps = found.critic_error_at_steps(trainer.tokenizer)
+        for k, _, error in steps[:STEPS_LOGGED]:
+            flat[f"credit/critic_err_s{k}"] = error
+        record = {"step": step, "by_position": {k: [None if math.isnan(x) else round(x, 6)
+                                                    for x in v.tolist()]
+                                                for k, v in errors.items()},
+                  "critic_at_steps": steps, **flat}
+        with self.path.open("a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+            f.flush()
+        return flat
+
+
+def _token_mean(by_pos: Tensor, mask: Tensor) -> float:
+    """The mean over every real token of a per-position mean (weighted by its count)."""
+    counts = mask.sum(0).float()
+    keep = torch.isfinite(by_pos) & (counts > 0)
+    if not keep.any():
+        return math.nan
+    return float((by_pos[keep] * counts[keep]).sum() / counts[keep].sum())
+
+
+def read_credit(run_dir) -> list[dict]:
+    """The records of a run's credit.jsonl, in order (none when it has none)."""
+    path = Path(run_dir) / CREDIT_FILE
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()
+            if line.strip()]

@@ -33,6 +33,20 @@ METRICS: dict[str, str] = {
         "fraction of the N completions the update used (dynamic sampling drops the groups "
         "whose rewards are all equal, mask_truncated the completions cut at the budget; 1 "
         "without either)",
+    "credit/critic_err":
+        "credit_every: mean |V_critic(s_t) - V_MC(s_t)| over the looked-at completions' tokens, "
+        "V_MC from credit_samples continuations of each prefix (labkit.credit)",
+    "credit/gae_err": "credit_every: mean |GAE's advantage - A_MC| per token, "
+                      "A_MC = V_MC(s_{t+1}) - V_MC(s_t)",
+    "credit/grpo_err": "credit_every: mean |r - group mean - A_MC| per token (GRPO's advantage "
+                       "before the std)",
+    "credit/critic_err_s1": "credit_every: mean |V_critic - V_MC| just after the first written "
+                            "step (_s2, _s3, _s4: after the later ones)",
+    "credit/critic_err_s2": "as credit/critic_err_s1, after the second step",
+    "credit/critic_err_s3": "as credit/critic_err_s1, after the third step",
+    "credit/critic_err_s4": "as credit/critic_err_s1, after the fourth step",
+    "credit/continuations": "credit_every: continuations drawn for the look, its cost",
+    "credit/seconds": "credit_every: seconds the look took",
     "adv/mean":
         "mean advantage over the N completions, or over the unmasked tokens for (N, T) advantages",
     "adv/std": "std of the advantages (divides by the count), same selection as adv/mean",

@@ -29,6 +29,7 @@ from labkit import metrics as M
 from labkit.advantages import NonFiniteError
 from labkit.config import TrainConfig
 from labkit.preflight import preflight
+from labkit.credit import RunCredit
 from labkit.diagnose import RunDiagnostics
 from labkit.evaluation import run_eval
 from labkit.learner import (Learner, build_learner, learner_state, machine, make_accelerator,
@@ -290,6 +291,7 @@ class _RunLog:
             self.judge(record)
         self.writer = rundir.MetricsWriter(path)
         self.diag = RunDiagnostics(config, path.parent)  # diag_every: diagnostics.jsonl
+        self.credit = RunCredit(config, path.parent)  # credit_every: credit.jsonl
         # report_to: views of the same records (a resumed run's from its checkpoint on)
         self.trackers = Trackers(config.report_to, path.parent, config.to_dict(), self.records)
 
@@ -364,7 +366,8 @@ def _run_steps(trainer: Trainer, log: _RunLog, first: int, run_dir: Path,
         for step in bar:
             updates_before = update_count(learner)
             result = trainer.step(step, inspect=samples.keeps(config, step))
-            record = {"step": step, **result.metrics, **log.diag.measure(trainer, step)}
+            record = {"step": step, **result.metrics, **log.diag.measure(trainer, step),
+                      **log.credit.measure(trainer, step)}
             evaluated = step % config.eval_every == 0 or step == config.steps
             if evaluated:
                 record |= trainer.evaluate()

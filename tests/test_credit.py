@@ -166,3 +166,29 @@ def test_a_look_at_a_ppo_trainer_compares_critic_gae_and_grpo_with_monte_carlo()
     assert errors["critic"][0].item() == pytest.approx(manual.item(), rel=1e-5)
     steps = found.critic_error_at_steps(build_tokenizer())
     assert all(k >= 1 and n >= 1 and e >= 0 for k, n, e in steps)
+
+
+def test_a_run_with_credit_every_logs_its_looks_and_trains_as_without(tmp_path):
+    from labkit.config import TrainConfig
+    from labkit.credit import read_credit
+    from labkit.lab import summary_rows
+    from labkit.trainer import train
+
+    small = dict(algo="ppo", task="think", steps=3, batch_prompts=2, group_size=2, eval_n=8,
+                 eval_every=3, eval_samples=0, cgc_prompts=0, progress=False)
+    plain = train(TrainConfig(run_dir=str(tmp_path / "plain"), **small))
+    looked = train(TrainConfig(run_dir=str(tmp_path / "looked"), credit_every=2,
+                               credit_prompts=2, credit_samples=2, **small))
+    steps = [r["step"] for r in looked.history if "credit/grpo_err" in r]
+    assert steps == [2, 3]  # every 2 steps and the last, never step 0
+    records = read_credit(tmp_path / "looked")
+    assert [r["step"] for r in records] == steps
+    assert set(records[0]["by_position"]) == {"grpo", "critic", "gae"}
+    for a, b in zip(plain.history, looked.history):  # the looks leave training as it was
+        assert a.get("rollout/reward_mean") == b.get("rollout/reward_mean")
+        assert a.get("loss/policy") == b.get("loss/policy")
+    row = summary_rows({"ppo/seed=0": looked})[0]
+    assert row["credit_step"] == 3 and row["credit.continuations"] > 0
+    assert row["credit.critic_err"] == looked.history[-1]["credit/critic_err"]
+    with pytest.raises(ValueError, match="credit_prompts=9"):
+        TrainConfig(credit_every=1, credit_prompts=9, eval_n=8)

@@ -115,6 +115,8 @@ PER_SEED_MEASURES = {"gain": ("gain", 100.0, "difference"),
                      "collapse_difference": ("collapsed", 1.0, "binary"),
                      "grad_rel_var_ratio": (("diag.grad_rel_var_raw.ppo_critic",
                                              "diag.grad_rel_var_raw.rloo"), 1.0, "within"),
+                     "critic_error_growth": (("credit.critic_err_s3", "credit.critic_err_s1"),
+                                             1.0, "within"),
                      "length_change": (("length_final", "length_start"), 1.0, "change"),
                      "worked_change": (("worked_final", "worked_start"), 1.0, "change")}
 """The primary measures a claim's per-seed record decides: measure -> (the record's

@@ -39,6 +39,9 @@ MEASURES = {
     "informative_share_error": "observed share of informative groups minus the formula's "
                                "prediction 1 - p^G - (1-p)^G",
     "collapse_difference": "share of runs that collapsed, arm minus baseline, paired by seed",
+    "critic_error_growth": "the critic's mean |V - V_MC| after the third written step / after "
+                           "the first, per run at its last look through the credit microscope, "
+                           "geometric mean over seeds",
     "length_change": "mean completion length over the last fifth of the steps minus the "
                      "first step's, within each run of the arm, tokens, over seeds",
     "worked_change": "share of completions that work before they answer, last fifth of the "
@@ -48,7 +51,7 @@ MEASURES = {
 }
 """The primary measures a claim may name, with what each is."""
 
-ONE_ARM = ("grad_rel_var_ratio", "length_change", "worked_change")
+ONE_ARM = ("grad_rel_var_ratio", "critic_error_growth", "length_change", "worked_change")
 """Measures read within each run of one arm: their `compare` may name that arm alone."""
 
 KEYS = ("article", "measure", "compare", "finding", "direction", "threshold", "margin", "seeds")

@@ -100,7 +100,9 @@ def summary_rows(results: Mapping[str, RunResult]) -> list[dict]:
     accuracy curve (`accuracy_auc`), whether the run was found dead
     (`dead_run` 1 or 0; `dead_step`, the step it was found) and whether it collapsed
     (`collapsed` 1 or 0; `collapse_step`, see `collapse_step`); for a run that measured
-    diagnostics, its last measurement (`diag_step`, and each `diag/a/b` as `diag.a.b`)."""
+    diagnostics, its last measurement (`diag_step`, and each `diag/a/b` as `diag.a.b`); for a
+    run that looked through the credit microscope, its last look (`credit_step`, and each
+    `credit/x` as `credit.x`)."""
     rows = []
     for name, result in results.items():
         h, c = result.history, result.config
@@ -135,6 +137,11 @@ def summary_rows(results: Mapping[str, RunResult]) -> list[dict]:
         row["collapsed"] = int(collapsed is not None)
         if collapsed is not None:
             row["collapse_step"] = collapsed
+        looked = [r for r in h if "credit/grpo_err" in r]
+        if looked:  # the last look through the credit microscope, as credit.<figure>
+            row["credit_step"] = looked[-1]["step"]
+            row |= {"credit." + k.removeprefix("credit/"): v for k, v in looked[-1].items()
+                    if k.startswith("credit/")}
         measured = [r for r in h if "diag/v_star_mean" in r]
         if measured:  # the last diagnostics, as diag.<figure>.<row> (no '/': a summary key)
             row["diag_step"] = measured[-1]["step"]
