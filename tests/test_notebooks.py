@@ -21,7 +21,7 @@ from labkit import lab, stats
 REPO = Path(__file__).resolve().parents[1]
 NOTEBOOKS = REPO / "notebooks"
 STEMS = ["00_building_blocks", "01_grpo_vs_ppo", "02_group_size_sweep",
-         "03_advantage_variance_live", "04_claims", "05_arms"]
+         "03_advantage_variance_live", "04_claims", "05_arms", "06_learns_to_think"]
 REQUIRED = {
     "00_building_blocks": {"run_dir", "seed"},
     "01_grpo_vs_ppo": {"run_dir", "seed", "seeds", "workers", "steps", "batch_prompts",
@@ -34,6 +34,8 @@ REQUIRED = {
     "04_claims": {"run_dir", "seed", "claims_dir", "runs_root", "smoke"},
     "05_arms": {"run_dir", "seed", "seeds", "workers", "arms", "baseline", "steps",
                 "batch_prompts", "group_size", "eval_n"},
+    "06_learns_to_think": {"run_dir", "seed", "algo", "steps", "batch_prompts", "group_size",
+                           "critic_steps", "look_prompts", "look_samples"},
 }
 TYPES = {"int": int, "float": float, "str": str, "bool": bool}
 
@@ -201,6 +203,22 @@ def check_05(summary, records, params):
     _check_findings(summary, len(arms) - 1, params["seeds"][1])
     assert summary["baseline"] == next(iter(arms))
     assert {r["run"] for r in records} == set(runs)
+
+
+def check_06(summary, records, params):
+    algo, steps = params["algo"][1], params["steps"][1]
+    _check_run(summary, algo, steps)
+    _check_run(summary, "ppo-critic", params["critic_steps"][1])
+    for key in ("worked_start", "worked_final"):
+        assert 0 <= summary[f"{algo}/{key}"] <= 1, key
+    assert 0 < summary[f"{algo}/length_start"] <= 48 and 0 < summary[f"{algo}/length_final"] <= 48
+    for name in ("grpo", "critic", "gae"):
+        assert summary[f"credit/{name}_err"] >= 0
+    assert summary["credit/critic_err_s1"] >= 0
+    # every prefix of the looked-at completions drew look_samples continuations
+    assert summary["credit/continuations"] % params["look_samples"][1] == 0
+    assert {r["run"] for r in records} == {algo, "ppo-critic"}
+    assert all("rollout/worked_frac" in r for r in records if r["step"] > 0)
 
 
 def _nbval_run(config, stem: str) -> Path | None:

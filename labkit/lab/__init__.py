@@ -10,7 +10,8 @@ The wing's modules: `experiments` (run directories and training runs, in paralle
 processes), `blocks` (notebook 00's single-group helpers), `summaries` (rows, sentences,
 outputs), `verdicts` (intervals over seeds and verdicts), `questions` (notebook 05's
 collapse, monitor and diagnostics questions), `widgets` (notebook 03's
-controls), `plots` (figures), `live` (notebook 03's live figure), `runner` and `sweeps`
+controls), `plots` (figures), `live` (notebook 03's live figure), `think` (notebook 06's),
+`runner` and `sweeps`
 (papermill runs of notebooks).
 """
 

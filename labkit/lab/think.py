@@ -1,0 +1,139 @@
+"""Notebook 06: watch the model learn to think, and put its credit under the microscope.
+
+On task=think the embedded tiny-arith-think either answers at once or works first, and working
+is right more often on the harder sums (its model card). `LivePlot` is a training callback
+around a 2x2 `go.FigureWidget` that grows each step: completion length (all, correct and
+wrong completions), the share of completions that work, how often each form is right, and
+the held-out accuracy at each evaluation. `train_live` runs one such training run;
+`look_at_ppo` trains a short PPO run and looks at a batch through the credit microscope
+(`labkit.credit.look`), which `microscope_figure` draws: each estimate's error against the
+Monte Carlo one, token position by token position, and the critic's error after each written
+step. `outputs` writes the notebook's summary.json and metrics.jsonl.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from labkit.credit import Microscope, look
+from labkit.lab.experiments import histories, run_config
+from labkit.lab.plots import TEMPLATE, color
+from labkit.lab.summaries import flat_summary, summary_rows, write_outputs
+from labkit.trainer import RunResult, Trainer, train
+
+PANELS = ("completion length, tokens", "share of completions that work first",
+          "how often each form is right", "held-out accuracy (greedy)")
+LINES = ((1, "all", "rollout/length_mean"), (1, "correct", "rollout/length_correct"),
+         (1, "wrong", "rollout/length_incorrect"), (2, "worked", "rollout/worked_frac"),
+         (3, "worked", "rollout/acc_worked"), (3, "direct", "rollout/acc_direct"),
+         (4, "held out", "eval/accuracy"))
+"""(panel, line, metric) of the live figure."""
+
+
+class LivePlot:
+    """A 2x2 `go.FigureWidget` that grows while a think run trains; pass it in `callbacks=`.
+    A step without a metric (no direct answer left, no evaluation) adds no point to its
+    line. `static()` returns a plain `go.Figure` copy for headless output."""
+
+    def __init__(self, height: int = 620):
+        fig = make_subplots(rows=2, cols=2, subplot_titles=PANELS, horizontal_spacing=0.1,
+                            vertical_spacing=0.16)
+        fig.update_layout(height=height, title="waiting for the first step", template=TEMPLATE)
+        fig.update_xaxes(title_text="step")
+        for row, col in ((1, 2), (2, 1), (2, 2)):
+            fig.update_yaxes(range=[0, 1.02], row=row, col=col)
+        self.widget = go.FigureWidget(fig)
+        for i, (panel, name, _) in enumerate(LINES):
+            self.widget.add_scatter(x=[], y=[], name=name, mode="lines+markers",
+                                    line=dict(color=color(i), width=1.5), marker=dict(size=3),
+                                    legendgroup=name, showlegend=(panel, name) != (3, "worked"),
+                                    row=(panel - 1) // 2 + 1, col=(panel - 1) % 2 + 1)
+
+    def add(self, step: int, metrics: Mapping) -> None:
+        """The points of one step's metrics."""
+        with self.widget.batch_update():
+            for trace, (_, _, key) in zip(self.widget.data, LINES):
+                if isinstance(metrics.get(key), (int, float)):
+                    trace.x = tuple(trace.x or ()) + (step,)
+                    trace.y = tuple(trace.y or ()) + (metrics[key],)
+
+    def __call__(self, report) -> None:
+        if not any(trace.x for trace in self.widget.data) and report.config.run_dir:
+            # the step-0 evaluation, which no StepReport carries, from the run's own record
+            from labkit import rundir
+
+            path = Path(report.config.run_dir) / "metrics.jsonl"
+            first = [r for r in rundir.read_metrics(path) if r.get("step") == 0]
+            if first:
+                self.add(0, first[0])
+        self.add(report.step, report.metrics)
+        self.widget.layout.title.text = (f"{report.config.algo} on task=think: step "
+                                         f"{report.step} of {report.config.steps}")
+
+    def static(self) -> go.Figure:
+        return go.Figure(self.widget.to_dict())
+
+
+def train_live(live: LivePlot, *, run_dir: str | Path, algo: str = "grpo", seed: int = 0,
+               **overrides) -> dict[str, RunResult]:
+    """One run on task=think reporting every step to `live`. Writes `run_dir/<algo>/`."""
+    config = run_config(Path(run_dir) / algo, task="think", algo=algo, seed=seed, **overrides)
+    return {algo: train(config, callbacks=[live])}
+
+
+def look_at_ppo(*, run_dir: str | Path, seed: int = 0, prompts: int = 8, samples: int = 8,
+                **overrides) -> tuple[RunResult, Microscope, object]:
+    """A PPO run on task=think (its critic learns from `overrides["steps"]` steps), then one
+    look through the credit microscope at its first `prompts` held-out problems, `samples`
+    continuations per prefix; returns the run, the look and the tokenizer. Writes
+    `run_dir/ppo-critic/`."""
+    config = run_config(Path(run_dir) / "ppo-critic", task="think", algo="ppo", seed=seed,
+                        **overrides)
+    result = train(config)
+    trainer, _ = Trainer.from_run(result.run_dir)
+    found = look(trainer, trainer.problems.eval[:prompts], samples=samples, seed=seed)
+    return result, found, trainer.tokenizer
+
+
+def microscope_figure(found: Microscope, tokenizer) -> go.Figure:
+    """Left: each estimate's mean absolute error against the Monte Carlo one by token
+    position (the critic's V_t against V_MC; GAE's and GRPO's advantages against A_MC).
+    Right: the critic's error just after each written step, with how many completions
+    reached it."""
+    fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.12, subplot_titles=(
+        "error against Monte Carlo, by token position", "critic's error after each step"))
+    for i, (name, errors) in enumerate(found.errors().items()):
+        fig.add_scatter(x=list(range(len(errors))), y=errors.tolist(), name=name,
+                        mode="lines+markers", line=dict(color=color(i)), row=1, col=1)
+    steps = found.critic_error_at_steps(tokenizer)
+    if steps:
+        fig.add_bar(x=[f"step {k}" for k, _, _ in steps], y=[e for _, _, e in steps],
+                    text=[f"{n} completions" for _, n, _ in steps], name="critic, at steps",
+                    marker_color=color(1), row=1, col=2)
+    fig.update_xaxes(title_text="token position t", row=1, col=1)
+    fig.update_yaxes(title_text="mean |estimate - Monte Carlo|", row=1, col=1)
+    fig.update_layout(template=TEMPLATE, height=420,
+                      title=f"credit microscope: {found.mc.continuations} continuations, "
+                            f"{found.mc.seconds:.1f} s")
+    return fig
+
+
+def outputs(run_dir: str | Path, results: Mapping[str, RunResult], found: Microscope,
+            tokenizer, **params) -> dict:
+    """summary.json (params, each run's summary row, the microscope's figures) and
+    metrics.jsonl; returns the summary."""
+    figures = {f"credit/{name}_err": float(errors[errors.isfinite()].mean())
+               for name, errors in found.errors().items()}
+    figures["credit/continuations"] = found.mc.continuations
+    for k, n, error in found.critic_error_at_steps(tokenizer):
+        figures[f"credit/critic_err_s{k}"] = error
+    summary = flat_summary(summary_rows(results), **params, **figures)
+    write_outputs(run_dir, summary, histories(results))
+    return summary
+
+
+__all__ = ["LivePlot", "look_at_ppo", "microscope_figure", "outputs", "train_live"]

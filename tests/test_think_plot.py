@@ -1,0 +1,39 @@
+"""Notebook 06's live figure: one point per step per line, none for a metric the step
+lacks, and the step-0 evaluation read from the run's own record."""
+
+import plotly.graph_objects as go
+
+from labkit.lab.think import LINES, LivePlot
+
+
+def _y(live, panel, name):
+    index = [(p, n) for p, n, _ in LINES].index((panel, name))
+    return list(live.widget.data[index].y or ())
+
+
+def test_each_line_takes_its_metric_and_skips_a_step_without_it():
+    live = LivePlot()
+    live.add(0, {"eval/accuracy": 0.7})
+    live.add(1, {"rollout/length_mean": 24.0, "rollout/worked_frac": 0.6,
+                 "rollout/acc_worked": 0.7, "rollout/acc_direct": 0.2,
+                 "rollout/length_correct": 26.0, "rollout/length_incorrect": 20.0})
+    live.add(2, {"rollout/length_mean": 28.0, "rollout/worked_frac": 1.0,
+                 "rollout/acc_worked": 0.8, "eval/accuracy": 0.8})  # no direct answer left
+    assert _y(live, 1, "all") == [24.0, 28.0] and _y(live, 1, "correct") == [26.0]
+    assert _y(live, 2, "worked") == [0.6, 1.0] and _y(live, 3, "direct") == [0.2]
+    assert _y(live, 4, "held out") == [0.7, 0.8]
+    assert list(live.widget.data[-1].x) == [0, 2]
+    assert isinstance(live.static(), go.Figure)
+
+
+def test_the_first_report_draws_the_step_zero_evaluation_first(tmp_path):
+    import json
+    from types import SimpleNamespace
+
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 0, "eval/accuracy": 0.5}) + "\n")
+    live = LivePlot()
+    config = SimpleNamespace(run_dir=str(tmp_path), algo="grpo", steps=3)
+    live(SimpleNamespace(step=1, metrics={"eval/accuracy": 0.6}, config=config))
+    live(SimpleNamespace(step=2, metrics={"eval/accuracy": 0.7}, config=config))
+    assert _y(live, 4, "held out") == [0.5, 0.6, 0.7]
+    assert "step 2 of 3" in live.widget.layout.title.text
