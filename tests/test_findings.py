@@ -74,8 +74,10 @@ def test_page_from_finished_runs(finished):
     findings.write_findings(out, claims, root)
     text = out.read_text()
     glance = text.split("## Every finding")[0]
-    every = (out.with_suffix("") / findings.EVERY_PAGE).read_text()
-    assert f"findings/{findings.EVERY_PAGE}" in text
+    every = (out.with_suffix("") / "07_fixture.md").read_text()
+    assert "[07_fixture](findings/07_fixture.md)" in text and "[01_cost](findings/01_cost.md)" in text
+    assert every.startswith("# Every finding: 07_fixture (claim 7)")
+    assert "| 7 |" not in (out.with_suffix("") / "01_cost.md").read_text()  # a page per file
     rows = [line for line in every.splitlines() if line.startswith("| 7 |")]
     assert len(rows) == 3
     wide, clear, wrong = rows
@@ -84,7 +86,8 @@ def test_page_from_finished_runs(finished):
     assert "**refuted**" in wrong  # the verdict comes from the interval, not the stored label
     assert "90 min elapsed, on AVX2, 1 thread" in text  # the runs' machine, said once
     # a claim with no finished run is listed, not left out
-    assert "| 1. GRPO needs less time per step" in text and "not run yet (0 of 2 runs)" in every
+    assert "| 1. GRPO needs less time per step" in text
+    assert "not run yet (0 of 2 runs)" in (out.with_suffix("") / "01_cost.md").read_text()
     # claims in id order, and the commands to regenerate the page
     assert text.index("| 1. ") < text.index("| 7. ")
     # one claim-level verdict per claim, from its preregistered primary measure
@@ -204,7 +207,7 @@ def test_a_factorial_claims_smoke_sweep_feeds_two_claims(tmp_path):
     assert all(f"fires.{rule}" in results[8].records[0] for rule in questions.monitor_rules())
     page = findings.write_findings(tmp_path / "findings.md", claims, root, smoke=True)
     glance = page.read_text().split("## Every finding")[0]
-    every = (page.with_suffix("") / findings.EVERY_PAGE).read_text()
+    every = (page.with_suffix("") / "04_stability.md").read_text()
     per_arm = len({r["seed"] for r in results[8].records})
     (eight_line,) = [line for line in glance.splitlines() if line.startswith("| 8.")]
     assert f"| {per_arm} (5) |" in eight_line  # seeds per arm, not the monitor rows' runs

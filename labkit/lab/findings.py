@@ -29,7 +29,7 @@ from labkit import stats
 from labkit.lab import questions, verdicts
 from labkit.lab.claims import ClaimResult, claim_verdict
 from labkit.lab.experiments import project_root
-from labkit.lab.findings_page import EVERY_PAGE, render, render_every, write_figures
+from labkit.lab.findings_page import render, render_every, write_figures
 from labkit.lab.sweeps import load_sweep, plan, run_sweep
 from labkit.rundir import RUNS_ROOT, git_commit, read_metrics
 
@@ -391,5 +391,6 @@ def write_findings(out: str | Path = FINDINGS_PAGE, claims_dir: str | Path = CLA
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text, encoding="utf-8")
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / EVERY_PAGE).write_text(render_every(results, commit), encoding="utf-8")
+    for name, page in render_every(results, commit).items():
+        (folder / name).write_text(page, encoding="utf-8")
     return out

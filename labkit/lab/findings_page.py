@@ -166,10 +166,12 @@ def render(results: list[ClaimResult], commit: str | None, smoke: bool = False,
         cells[-1] = f"**{cells[-1]}**"
         lines.append("| " + " | ".join(cells) + " |")
     lines += replication_lines(results, glance)
+    pages = list(dict.fromkeys(every_page(r) for r in results))
     lines += ["", "## Every finding", "",
               "Each claim's findings, the decisive one and the context, with their intervals, "
-              f"methods and verdicts: [{figures_dir}/{EVERY_PAGE}]({figures_dir}/{EVERY_PAGE}).",
-              ""]
+              "methods and verdicts, a page per claim file: "
+              + ", ".join(f"[{p.removesuffix('.md')}]({figures_dir}/{p})" for p in pages)
+              + ".", ""]
     notes = [r for r in results if r.claim.get("note")]
     if notes:
         lines += ["", "## How to read them", ""]
@@ -205,13 +207,24 @@ def render(results: list[ClaimResult], commit: str | None, smoke: bool = False,
     return "\n".join(lines) + "\n"
 
 
-EVERY_PAGE = "every-finding.md"
-"""The page of every finding, in the folder beside the findings page (docs/findings/)."""
+def every_page(result: ClaimResult) -> str:
+    """The page of every finding of a claim file (its replication's too), in the folder
+    beside the findings page (docs/findings/<file>.md)."""
+    return f"{result.file.stem}.md"
 
 
-def render_every(results: list[ClaimResult], commit: str | None) -> str:
-    """Every finding of every claim (PAGE_COLUMNS), one table, as markdown."""
-    lines = ["# Every finding", "",
+def render_every(results: list[ClaimResult], commit: str | None) -> dict[str, str]:
+    """Every finding (PAGE_COLUMNS) of each claim file, one markdown table per file: page
+    name -> text."""
+    files: dict[str, list[ClaimResult]] = {}
+    for result in results:
+        files.setdefault(every_page(result), []).append(result)
+    return {name: _every_text(name, found, commit) for name, found in files.items()}
+
+
+def _every_text(name: str, results: list[ClaimResult], commit: str | None) -> str:
+    ids = ", ".join(dict.fromkeys(str(r.claim.get("id", "?")) for r in results))
+    lines = [f"# Every finding: {name.removesuffix('.md')} (claim {ids})", "",
              "Generated with docs/findings.md by `python -m labkit findings` (at commit "
              f"`{commit or 'unknown'}`); each claim's statement, preregistered test and "
              "claim-level verdict are there. A row's run (in brackets) is the sweep run "
