@@ -1,5 +1,5 @@
 """The findings pages: docs/findings.md (a row per claim at a glance, then a row per finding)
-and docs/findings/every-finding.md, from the claims' results (`labkit.lab.claims`), with a
+and docs/findings/<claim file>.md (every finding of a file), from the claims' results (`labkit.lab.claims`), with a
 static figure per claim."""
 
 from __future__ import annotations
