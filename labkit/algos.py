@@ -59,12 +59,16 @@ def step(config: TrainConfig, learner: Learner, tokenizer, problems: list[Proble
     # 2. reward: one scalar per completion
     rewards = stages.reward(config, problems, batch, step_seed)
     rewards, stats = stages.overlong(config, batch, rewards)  # variant
-    extras = stages.estimator_extras(config, learner, tokenizer, problems, batch, step_seed)
+    extras = stages.estimator_extras(config, learner, tokenizer, problems, batch, step_seed,
+                                     rewards)
     if on_rollout is not None:
         on_rollout(batch, rewards)
     # 3-5. advantage, loss, update
     out = learn(config, learner, batch, rewards, step_seed, extras)
     out.stats |= stats
+    if "mc_values" in extras:  # what the Monte Carlo values cost (vineppo)
+        out.stats |= {"perf/mc_continuations": extras["mc_continuations"].item(),
+                      "perf/mc_s": extras["mc_seconds"].item()}
     return out
 
 

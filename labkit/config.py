@@ -120,6 +120,9 @@ class TrainConfig:
     estimator: str | None = choice(None, ESTIMATORS)
     """Advantage estimator, a name of labkit.estimators.ESTIMATORS; None takes the
     algorithm's own: grpo for GRPO, gae for PPO (the one that reads a critic's values)."""
+    vine_samples: int = bounded(8, ge=1)
+    """vineppo: continuations drawn from each step boundary of each completion for its Monte
+    Carlo value (labkit.credit)."""
     scale: Scale = "group"
     """grpo: divide by the group's std, the batch's std, or nothing."""
     std_unbiased: bool = True

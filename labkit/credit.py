@@ -138,12 +138,19 @@ def by_position(errors: Tensor, mask: Tensor) -> Tensor:
 
 def step_ends(tokenizer, batch: RolloutBatch, marks: str = ",.") -> list[list[int]]:
     """For each completion, the prefix lengths t at which a written step has just ended: the
-    token before t is one of `marks` (the think task's 'a+b=c,' and its final 'c. '). The
-    answer's box after the last mark is not a step."""
-    out = []
+    token before t is one of `marks` (the think task's 'a+b=c,' and its final 'c. ') or holds
+    a line break (a worked solution written line by line). The answer's box after the last
+    mark is not a step."""
+    out, seen = [], {}
     for ids, real in zip(batch.completion_ids.tolist(), batch.completion_mask.bool().tolist()):
-        ends = [t + 1 for t, (token, keep) in enumerate(zip(ids, real))
-                if keep and tokenizer.decode([token]).strip() in tuple(marks)]
+        ends = []
+        for t, (token, keep) in enumerate(zip(ids, real)):
+            if keep:
+                if token not in seen:
+                    text = tokenizer.decode([token])
+                    seen[token] = text.strip() in tuple(marks) or "\n" in text
+                if seen[token]:
+                    ends.append(t + 1)
         out.append(ends)
     return out
 

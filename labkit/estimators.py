@@ -31,11 +31,13 @@ ESTIMATORS = Registry("advantage estimator", ("inputs",))
 or `(N, T)` one per token. A function reading an optional input names it in `needs`
 (`NEEDS` lists the ones the trainer can provide)."""
 
-NEEDS = ("components", "greedy_rewards", "values")
+NEEDS = ("components", "greedy_rewards", "values", "mc_values")
 """Optional inputs a trainer computes when the estimator declares them: `components` (N, K)
 the reward's terms and `component_weights` (K,) their weights; `greedy_rewards` (N,) the
 reward of the greedy completion of each row's prompt (one greedy rollout per prompt);
-`values` (N, T) a critic's values (PPO only)."""
+`values` (N, T) a critic's values (PPO only); `mc_values` (N, T + 1) Monte Carlo values of
+each completion's prefixes at its step boundaries (`vine_samples` continuations each,
+`labkit.credit`), NaN between them."""
 
 
 @dataclass(frozen=True)
@@ -282,6 +284,36 @@ def gae_estimator(x: AdvantageInputs) -> Estimate:
     values = x.need("values", "gae")
     return Estimate(*ppo_advantages(_token_rewards(x), values, x.token_mask("gae"),
                                     gamma=x.gamma, lam=x.lam, whiten_advantages=x.whiten))
+
+
+@ESTIMATORS.register("vineppo", needs=("mc_values",))
+def vineppo(x: AdvantageInputs) -> Tensor:
+    """VinePPO's credit (Kazemnejad et al., 2024) without a critic: the value of the prefix at
+    each step boundary (the start, the end of each written step, the end) is estimated by
+    Monte Carlo, `vine_samples` continuations from it under the current policy; every token
+    of a step gets V(end of its step) - V(start of its step), the step's advantage.
+    (N, T) from `mc_values` (N, T + 1), NaN off the boundaries, the reward at the end."""
+    values = x.need("mc_values", "vineppo")
+    return step_advantages(values, x.token_mask("vineppo"))
+
+
+def step_advantages(values: Tensor, mask: Tensor) -> Tensor:
+    """(N, T): for token t of row i, V[i, b'] - V[i, b] with b the last boundary at or before
+    t and b' the first after it, boundaries being the finite entries of `values` (N, T + 1);
+    0 on padding."""
+    N, T = mask.shape
+    known = torch.isfinite(values)
+    index = torch.arange(T + 1, device=values.device).expand(N, T + 1)
+    # last known index <= t: a running max of the known indices (-1 where none yet)
+    before = torch.where(known, index, -1).cummax(1).values[:, :T]
+    # first known index >= t + 1: a running min from the right
+    later = torch.where(known, index, T + 1).flip(1).cummin(1).values.flip(1)[:, 1:]
+    if (mask.bool() & ((before < 0) | (later > T))).any():
+        raise ValueError("mc_values must be known at the start (t = 0) and at each "
+                         "completion's end")
+    start = values.gather(1, before.clamp(min=0))
+    end = values.gather(1, later.clamp(max=T))
+    return torch.where(mask.bool(), end - start, torch.zeros_like(start))
 
 
 def estimate(name: str, inputs: AdvantageInputs) -> Estimate:

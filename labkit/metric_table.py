@@ -33,6 +33,9 @@ METRICS: dict[str, str] = {
         "fraction of the N completions the update used (dynamic sampling drops the groups "
         "whose rewards are all equal, mask_truncated the completions cut at the budget; 1 "
         "without either)",
+    "perf/mc_continuations": "estimator vineppo: continuations drawn this step for the Monte "
+                             "Carlo values at the step boundaries",
+    "perf/mc_s": "estimator vineppo: seconds those continuations took",
     "credit/critic_err":
         "credit_every: mean |V_critic(s_t) - V_MC(s_t)| over the looked-at completions' tokens, "
         "V_MC from credit_samples continuations of each prefix (labkit.credit)",

@@ -84,11 +84,15 @@ def overlong(config: TrainConfig, batch: RolloutBatch, rewards: Tensor) -> tuple
 
 
 def estimator_extras(config: TrainConfig, learner: Learner, tokenizer,
-                     problems: list[Problem], batch: RolloutBatch, step_seed: int) -> dict:
+                     problems: list[Problem], batch: RolloutBatch, step_seed: int,
+                     rewards: torch.Tensor | None = None) -> dict:
     """What `config.estimator` declares it needs beyond the rewards, computed only for it:
     `components` (N, K) and `component_weights` (K,), the reward's terms scored one by one;
     `greedy_rewards` (N,), the reward of one greedy completion per prompt (an extra rollout of
-    B rows), repeated over the prompt's G rows. A critic's `values` come in `advantages`."""
+    B rows), repeated over the prompt's G rows; `mc_values` (N, T + 1), the Monte Carlo value
+    of each completion's prefix at the start and after each written step (`labkit.credit`,
+    `vine_samples` continuations each), its reward at its end, with what they cost
+    (`mc_continuations`, `mc_seconds`). A critic's `values` come in `advantages`."""
     needs = est.ESTIMATORS.needs(config.estimator)
     device, G, out = learner.accelerator.device, config.group_size, {}
     if "components" in needs:
@@ -109,6 +113,26 @@ def estimator_extras(config: TrainConfig, learner: Learner, tokenizer,
         if not config.score_truncated:
             scores = scores.masked_fill(greedy.truncated, 0.0)
         out["greedy_rewards"] = scores.repeat_interleave(G)  # (N,)
+    if "mc_values" in needs:
+        from labkit import credit
+
+        policy = learner.accelerator.unwrap_model(learner.policy)
+        lengths = batch.completion_mask.sum(1).tolist()
+        starts = [[0] + [t for t in ends if t < n]
+                  for ends, n in zip(credit.step_ends(tokenizer, batch), lengths)]
+
+        def score(rows: list[int], texts: list[str]) -> list[float]:
+            return reward_expr.score(config.reward, [problems[r // G] for r in rows], texts,
+                                     step_seed)
+
+        with learner.accelerator.autocast():
+            found = credit.prefix_values(policy, tokenizer, batch, rewards.cpu(), score,
+                                         samples=config.vine_samples, positions=starts,
+                                         max_new_tokens=config.max_new_tokens,
+                                         temperature=config.temperature, seed=step_seed)
+        out |= {"mc_values": found.values.to(device),
+                "mc_continuations": torch.tensor(float(found.continuations)),
+                "mc_seconds": torch.tensor(found.seconds)}
     return out
 
 

@@ -344,13 +344,14 @@ def test_property_token_level_finite(data, n, t_len, scale, gamma, lam):
 
 def test_the_estimator_registry_lists_each_estimator_with_its_paper():
     names = ["grpo", "dr_grpo", "rloo", "none", "reinforce++", "reinforce++-baseline", "remax",
-             "opo", "gpg", "grpo_passk", "gdpo", "max_rl", "gae"]
+             "opo", "gpg", "grpo_passk", "gdpo", "max_rl", "gae", "vineppo"]
     assert list(est.ESTIMATORS) == names
     assert est.ESTIMATORS["rloo"] is est.rloo_estimator
     titles = est.ESTIMATORS.titles()
     assert all(re.search(r"\(.*\d{4}", titles[n]) for n in names), titles  # a paper and year
     assert est.ESTIMATORS.needs("remax") == ("greedy_rewards",)
     assert est.ESTIMATORS.needs("gae") == ("values",) and est.ESTIMATORS.needs("grpo") == ()
+    assert est.ESTIMATORS.needs("vineppo") == ("mc_values",)
     assert "package.module" in est.ESTIMATORS.describe()
 
 
@@ -551,3 +552,24 @@ def test_ppo_advantages_are_gae_then_whitening(whiten):
     assert torch.equal(a, adv.whiten(gae_a, mask) if whiten else gae_a)
     assert torch.equal(ret, gae_ret)
     assert not torch.equal(adv.whiten(gae_a, mask), gae_a)  # so the two cases differ
+
+
+def test_vineppo_gives_each_step_its_monte_carlo_value_change():
+    """Row 0: boundaries at 0, 2 and its end 4, values 0.5, 0.8 and reward 1: tokens 0-1 get
+    0.3, tokens 2-3 get 0.2. Row 1: no step inside, its end at 3: r - V(s_0) on every token."""
+    import math
+
+    from labkit.estimators import AdvantageInputs, estimate
+
+    nan = math.nan
+    values = torch.tensor([[0.5, nan, 0.8, nan, 1.0, nan], [0.25, nan, nan, 0.0, nan, nan]])
+    mask = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 0, 0]])
+    x = AdvantageInputs(torch.tensor([1.0, 0.0]), 2, mask=mask, extras={"mc_values": values})
+    got = estimate("vineppo", x).advantages
+    want = torch.tensor([[0.3, 0.3, 0.2, 0.2, 0.0], [-0.25, -0.25, -0.25, 0.0, 0.0]])
+    torch.testing.assert_close(got, want)
+    with pytest.raises(ValueError, match="needs inputs.extras\\['mc_values'\\]"):
+        estimate("vineppo", AdvantageInputs(torch.tensor([1.0, 0.0]), 2, mask=mask))
+    values[1, 0] = nan  # no value at the start
+    with pytest.raises(ValueError, match="known at the start"):
+        estimate("vineppo", x)

@@ -192,3 +192,35 @@ def test_a_run_with_credit_every_logs_its_looks_and_trains_as_without(tmp_path):
     assert row["credit.critic_err"] == looked.history[-1]["credit/critic_err"]
     with pytest.raises(ValueError, match="credit_prompts=9"):
         TrainConfig(credit_every=1, credit_prompts=9, eval_n=8)
+
+
+def test_vineppo_extras_hold_monte_carlo_values_at_each_step_boundary():
+    """The values the vineppo estimator reads: known at the start, after each written step
+    and at the end (the reward), nowhere else; vine_samples continuations from each
+    boundary before the end; and a run logs their cost."""
+    from labkit import stages
+    from labkit.config import TrainConfig
+    from labkit.credit import step_ends
+    from labkit.tasks import ArithmeticTask
+    from labkit.trainer import Trainer
+
+    config = TrainConfig(task="think", estimator="vineppo", vine_samples=3, batch_prompts=2,
+                         group_size=4, steps=1, eval_n=8, progress=False)
+    trainer = Trainer(config)
+    problems = ArithmeticTask(digits=1, operands=5, min_operands=4).sample(2, seed=9)
+    batch = stages.sample(config, trainer.learner, trainer.tokenizer, problems, 5)
+    rewards = stages.reward(config, problems, batch, 5)
+    extras = stages.estimator_extras(config, trainer.learner, trainer.tokenizer, problems,
+                                     batch, 5, rewards)
+    values = extras["mc_values"]
+    lengths = batch.completion_mask.sum(1).tolist()
+    ends = step_ends(trainer.tokenizer, batch)
+    boundaries = 0
+    for i, n in enumerate(lengths):
+        want = {0, n} | {t for t in ends[i] if t < n}
+        assert set(torch.isfinite(values[i]).nonzero().flatten().tolist()) == want
+        assert values[i, n] == rewards[i]
+        boundaries += len(want) - 1
+    assert extras["mc_continuations"].item() == 3 * boundaries
+    result = trainer.step(1)
+    assert result.metrics["perf/mc_continuations"] > 0 and result.metrics["perf/mc_s"] > 0

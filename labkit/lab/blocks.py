@@ -44,10 +44,16 @@ def registered_advantages(rewards: torch.Tensor, mask: torch.Tensor, *,
     """Every critic-free estimator of `ESTIMATORS` on one group (G = len(rewards)): name ->
     (G,), a per-token estimator's row shown as its mean over the row's real tokens. remax's
     baseline is `greedy_reward`, the reward of the prompt's greedy completion; gdpo sees the
-    reward as its one term."""
+    reward as its one term; vineppo, given no step inside the completions, values the prompt
+    by the group's mean reward (itself a Monte Carlo estimate of it) and each end by its
+    reward."""
     r = rewards.float()
+    values = torch.full((len(r), mask.shape[1] + 1), float("nan"))
+    values[:, 0] = r.mean()
+    values[torch.arange(len(r)), mask.bool().sum(1)] = r
     x = est.AdvantageInputs(r, len(r), mask=mask, components=r[:, None],
-                            extras={"greedy_rewards": torch.full_like(r, greedy_reward)})
+                            extras={"greedy_rewards": torch.full_like(r, greedy_reward),
+                                    "mc_values": values})
     m = mask.bool()
     out = {}
     for name in est.ESTIMATORS:
