@@ -525,6 +525,7 @@ def test_summary_rows_read_length_and_worked_share_at_the_start_and_the_end(tmp_
 
     history = [{"step": 0, "eval/accuracy": 0.4}] + [
         {"step": s, "rollout/length_mean": 20.0 + s, "rollout/worked_frac": 0.5 + 0.05 * s,
+         "rollout/length_correct": 30.0 + s, "rollout/length_incorrect": 10.0 + s,
          "rollout/reward_mean": 0.5, "perf/step_s": 1.0, "perf/mem_mb": 100.0}
         for s in range(1, 11)]
     result = RunResult(tmp_path, TrainConfig(task="think"), 10, 0.4, 0.6, 1.0, history)
@@ -533,6 +534,7 @@ def test_summary_rows_read_length_and_worked_share_at_the_start_and_the_end(tmp_
     assert row["length_start"] == 21.0 and row["length_final"] == 29.5
     assert row["worked_start"] == pytest.approx(0.55)
     assert row["worked_final"] == pytest.approx(0.975)
+    assert (row["length_correct_final"], row["length_incorrect_final"]) == (39.5, 19.5)
     without = RunResult(tmp_path, TrainConfig(), 10, 0.4, 0.6, 1.0,
                         [{k: v for k, v in r.items() if k != "rollout/worked_frac"}
                          for r in history])

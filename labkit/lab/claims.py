@@ -110,6 +110,8 @@ def claim_verdict(result: ClaimResult) -> ClaimVerdict:
 
 PER_SEED_MEASURES = {"gain": ("gain", 100.0, "difference"),
                      "final_length": ("length_final", 1.0, "difference"),
+                     "final_length_correct": ("length_correct_final", 1.0, "difference"),
+                     "final_length_incorrect": ("length_incorrect_final", 1.0, "difference"),
                      "memory_ratio": ("mem_mb", 1.0, "ratio"),
                      "step_time_ratio": ("step_s", 1.0, "ratio"),
                      "collapse_difference": ("collapsed", 1.0, "binary"),

@@ -30,6 +30,10 @@ MEASURES = {
     "gain": "held-out accuracy gained, arm minus baseline, points",
     "final_length": "mean completion length over the last fifth of the steps, arm minus "
                     "baseline, tokens",
+    "final_length_correct": "mean length of the correct completions over the last fifth of "
+                            "the steps, arm minus baseline, tokens",
+    "final_length_incorrect": "mean length of the wrong completions over the last fifth of "
+                              "the steps, arm minus baseline, tokens",
     "step_time_ratio": "time per step, arm / baseline, geometric mean over paired seeds",
     "memory_ratio": "peak process memory, arm / baseline, geometric mean over paired seeds",
     "grad_rel_var_ratio": "policy-gradient relative variance (raw advantages) with the "

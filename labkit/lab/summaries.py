@@ -96,7 +96,8 @@ def summary_rows(results: Mapping[str, RunResult]) -> list[dict]:
     KL, entropy, clip fractions, GAV and completion length (`length`; `length_final` over
     the last fifth of the steps, `length_start` the first step's; missing keys left out),
     on an arithmetic task the share of worked completions (`worked_start`, the first
-    step's; `worked_final`, over the last fifth), the area under the held-out
+    step's; `worked_final`, over the last fifth) and the length of the right and of the wrong
+    completions over the last fifth (`length_correct_final`, `length_incorrect_final`), the area under the held-out
     accuracy curve (`accuracy_auc`), whether the run was found dead
     (`dead_run` 1 or 0; `dead_step`, the step it was found) and whether it collapsed
     (`collapsed` 1 or 0; `collapse_step`, see `collapse_step`); for a run that measured
@@ -125,6 +126,11 @@ def summary_rows(results: Mapping[str, RunResult]) -> list[dict]:
         row["length_final"] = _mean(lengths[-max(1, len(lengths) // 5):])
         if lengths:
             row["length_start"] = lengths[0]
+        for name, key in (("length_correct_final", "rollout/length_correct"),
+                          ("length_incorrect_final", "rollout/length_incorrect")):
+            values = _values(h, key)
+            if values:
+                row[name] = _mean(values[-max(1, len(values) // 5):])
         worked = _values(h, "rollout/worked_frac")
         if worked:
             row["worked_start"] = worked[0]
