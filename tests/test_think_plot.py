@@ -37,3 +37,21 @@ def test_the_first_report_draws_the_step_zero_evaluation_first(tmp_path):
     live(SimpleNamespace(step=2, metrics={"eval/accuracy": 0.7}, config=config))
     assert _y(live, 4, "held out") == [0.5, 0.6, 0.7]
     assert "step 2 of 3" in live.widget.layout.title.text
+
+
+def test_the_signature_table_pairs_start_and_end_within_each_run(tmp_path):
+    from labkit import stats
+    from labkit.lab.findings import write_records
+    from labkit.lab.think import signature
+
+    records = [{"sweep_run": "seed=0", "arm": arm, "seed": s, "worked_start": 0.6,
+                "worked_final": 0.6 + d, "length_start": 24.0, "length_final": 24.0 + 10 * d,
+                "accuracy_before": 0.7, "accuracy_after": 0.7 + d / 2}
+               for arm, ds in (("grpo", (0.3, 0.35, 0.4)), ("ppo", (0.0, 0.1, -0.1)))
+               for s, d in enumerate(ds)]
+    text = signature(write_records(records, tmp_path / "think.csv"))
+    want = stats.paired_interval([0.9, 0.95, 1.0], [0.6] * 3).format(3)
+    assert f"| grpo | 3 | share of worked completions | 0.600 | 0.950 | {want} |" in text
+    length = stats.paired_interval([27.0, 27.5, 28.0], [24.0] * 3).format(1)
+    assert f"| grpo | 3 | mean completion length, tokens | 24.0 | 27.5 | {length} |" in text
+    assert "| ppo | 3 | held-out greedy accuracy, % | 70.0 | 70.0 |" in text

@@ -136,4 +136,36 @@ def outputs(run_dir: str | Path, results: Mapping[str, RunResult], found: Micros
     return summary
 
 
-__all__ = ["LivePlot", "look_at_ppo", "microscope_figure", "outputs", "train_live"]
+SIGNATURE = (("share of worked completions", "worked_start", "worked_final", 1.0, 3),
+             ("mean completion length, tokens", "length_start", "length_final", 1.0, 1),
+             ("held-out greedy accuracy, %", "accuracy_before", "accuracy_after", 100.0, 1))
+"""(row, start figure, end figure, scale, digits) of the R1-Zero signature table."""
+
+
+def signature(path: str | Path) -> str:
+    """The R1-Zero signature of each arm of a claim sweep's per-seed record (a CSV under
+    docs/findings/, `findings.write_records`): for the share of worked completions, the mean
+    completion length and held-out accuracy, the mean at the start and at the end and the
+    change within each run (end - start), a paired t interval over the seeds; as markdown."""
+    from labkit import stats
+    from labkit.lab.findings import read_records
+
+    records = read_records(path)
+    lines = ["| arm | seeds | figure | start | end | change [95% CI] |", "|---|---|---|---|---|---|"]
+    for arm in dict.fromkeys(r["arm"] for r in records):
+        runs = [r for r in records if r["arm"] == arm]
+        for name, first, last, scale, digits in SIGNATURE:
+            pairs = [(scale * r[first], scale * r[last]) for r in runs
+                     if first in r and last in r]
+            if not pairs:
+                continue
+            starts, ends = [a for a, _ in pairs], [b for _, b in pairs]
+            change = stats.paired_interval(ends, starts)
+            lines.append(f"| {arm} | {len(pairs)} | {name} | "
+                         f"{sum(starts) / len(starts):.{digits}f} | "
+                         f"{sum(ends) / len(ends):.{digits}f} | {change.format(digits)} |")
+    return "\n".join(lines) + "\n"
+
+
+__all__ = ["LivePlot", "look_at_ppo", "microscope_figure", "outputs", "signature",
+           "train_live"]
