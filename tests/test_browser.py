@@ -1,8 +1,8 @@
-"""Browser test: the live notebook runs in JupyterLab and its plot grows as steps run.
+"""Browser test: each live notebook runs in JupyterLab and its plot grows as steps run.
 
 It starts ``jupyter lab`` on loopback (a random token, isolated config, data and
 settings dirs, no network look-ups), opens ``notebooks/03_advantage_variance_live.ipynb``
-in headless Chromium (Debian's ``/usr/bin/chromium`` driven by playwright-python; no
+(then ``06_learns_to_think.ipynb``) in headless Chromium (Debian's ``/usr/bin/chromium`` driven by playwright-python; no
 browser download), runs all cells, and checks that
 
 * a plotly figure (``.js-plotly-plot``) renders in an output area,
@@ -16,7 +16,7 @@ of the JupyterLab log and of the browser console. The whole test is bounded
 
 The server serves a temporary copy of the notebooks folder; the copy of the notebook
 gets a cell after its ``parameters`` cell (as papermill injects one) with a short
-run's ``PARAMETERS`` and a temporary ``run_dir``, so nothing is written into the
+run's parameters (``LIVE``) and a temporary ``run_dir``, so nothing is written into the
 repository. ``LABKIT_BROWSER_NOTEBOOK=path.ipynb`` points the test at another notebook.
 """
 
@@ -41,7 +41,18 @@ import pytest
 pytestmark = pytest.mark.browser
 
 REPO = Path(__file__).resolve().parents[1]
-NOTEBOOK = Path(os.environ.get("LABKIT_BROWSER_NOTEBOOK", REPO / "notebooks" / "03_advantage_variance_live.ipynb"))
+# The live notebooks, each with the parameters of a short run: the point is the live plot,
+# not the training (2 cores run the kernel, the server and Chromium together).
+LIVE: dict = {
+    "03_advantage_variance_live.ipynb": {"steps": 4, "eval_n": 8, "diag_every": 2,
+                                         "diag_prompts": 4, "diag_batches": 3,
+                                         "diag_samples": 8},
+    "06_learns_to_think.ipynb": {"steps": 4, "eval_n": 8, "eval_every": 2, "batch_prompts": 4,
+                                 "critic_steps": 2, "look_prompts": 1, "look_samples": 1},
+}
+NOTEBOOKS = ([Path(os.environ["LABKIT_BROWSER_NOTEBOOK"])]
+             if os.environ.get("LABKIT_BROWSER_NOTEBOOK")
+             else [REPO / "notebooks" / name for name in LIVE])
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = [
     "--headless",
@@ -58,12 +69,9 @@ SERVER_START_S = 60.0
 PAGE_READY_S = 60.0
 KERNEL_READY_S = 60.0
 POLL_S = 0.25
-# Set in a cell injected after the notebook's `parameters` cell (as papermill does);
-# run_dir is always a temporary folder, so the run writes nothing into the repository.
-# A short run: the point is the live plot, not the training (2 cores run the kernel,
-# the server and Chromium together).
-PARAMETERS: dict = {"steps": 4, "eval_n": 8, "diag_every": 2, "diag_prompts": 4,
-                    "diag_batches": 3, "diag_samples": 8}
+# LIVE's parameters are set in a cell injected after the notebook's `parameters` cell (as
+# papermill does); run_dir is always a temporary folder, so the run writes nothing into the
+# repository.
 
 # JupyterLab user settings for the run: no autosave, no news or update look-ups.
 LAB_SETTINGS = {
@@ -240,22 +248,28 @@ def sync_playwright_api():
     return sync_api
 
 
-def _copy_notebooks(dest: Path, run_dir: Path) -> None:
-    """The notebooks folder in `dest`, PARAMETERS (and run_dir) injected into NOTEBOOK."""
+def _copy_notebooks(dest: Path, run_dir: Path, notebook: Path) -> None:
+    """The notebooks folder in `dest`, LIVE's parameters (and run_dir) injected into
+    `notebook`."""
     import nbformat
 
     shutil.copytree(
-        NOTEBOOK.parent, dest, ignore=shutil.ignore_patterns(".ipynb_checkpoints", "__pycache__")
+        notebook.parent, dest, ignore=shutil.ignore_patterns(".ipynb_checkpoints", "__pycache__")
     )
-    book = nbformat.read(NOTEBOOK, as_version=4)
+    book = nbformat.read(notebook, as_version=4)
     tagged = [i for i, c in enumerate(book.cells) if "parameters" in c.metadata.get("tags", [])]
-    values = {"run_dir": str(run_dir), **PARAMETERS}
+    values = {"run_dir": str(run_dir), **LIVE.get(notebook.name, {})}
     cell = nbformat.v4.new_code_cell(
         "\n".join(f"{k} = {v!r}" for k, v in values.items()),
         metadata={"tags": ["injected-parameters"]},
     )
     book.cells.insert(tagged[0] + 1 if tagged else 0, cell)
-    nbformat.write(book, dest / NOTEBOOK.name)
+    nbformat.write(book, dest / notebook.name)
+
+
+@pytest.fixture(params=NOTEBOOKS, ids=lambda path: path.stem)
+def notebook(request) -> Path:
+    return request.param
 
 
 @pytest.fixture
@@ -264,10 +278,10 @@ def deadline():
 
 
 @pytest.fixture
-def lab(tmp_path, deadline, sync_playwright_api):
-    assert NOTEBOOK.exists(), f"{NOTEBOOK} is missing"
+def lab(tmp_path, deadline, sync_playwright_api, notebook):
+    assert notebook.exists(), f"{notebook} is missing"
     root = tmp_path / "notebooks"
-    _copy_notebooks(root, tmp_path / "run")
+    _copy_notebooks(root, tmp_path / "run", notebook)
     server = LabServer(root, tmp_path / "jupyter")
     try:
         server.start(deadline.left(SERVER_START_S))
@@ -395,9 +409,9 @@ JS_ERRORS = """() => {
 # --------------------------------------------------------------------------- the test
 
 
-def test_live_notebook_plot_grows_in_jupyterlab(deadline, lab, browser, tmp_path):
+def test_live_notebook_plot_grows_in_jupyterlab(deadline, lab, browser, tmp_path, notebook):
     page = browser.page
-    name = NOTEBOOK.name
+    name = notebook.name
     samples: list[dict] = []
 
     def context() -> str:

@@ -55,3 +55,12 @@ def test_the_signature_table_pairs_start_and_end_within_each_run(tmp_path):
     length = stats.paired_interval([27.0, 27.5, 28.0], [24.0] * 3).format(1)
     assert f"| grpo | 3 | mean completion length, tokens | 24.0 | 27.5 | {length} |" in text
     assert "| ppo | 3 | held-out greedy accuracy, % | 70.0 | 70.0 |" in text
+
+
+def test_a_line_name_keeps_its_colour_across_panels():
+    live = LivePlot()
+    colours = {}
+    for trace in live.widget.data:
+        colours.setdefault(trace.name, set()).add(trace.line.color)
+    assert all(len(c) == 1 for c in colours.values()), colours
+    assert len({next(iter(c)) for c in colours.values()}) == len(colours)

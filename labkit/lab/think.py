@@ -47,9 +47,11 @@ class LivePlot:
         for row, col in ((1, 2), (2, 1), (2, 2)):
             fig.update_yaxes(range=[0, 1.02], row=row, col=col)
         self.widget = go.FigureWidget(fig)
-        for i, (panel, name, _) in enumerate(LINES):
+        names = list(dict.fromkeys(name for _, name, _ in LINES))  # a name keeps its colour
+        for panel, name, _ in LINES:
             self.widget.add_scatter(x=[], y=[], name=name, mode="lines+markers",
-                                    line=dict(color=color(i), width=1.5), marker=dict(size=3),
+                                    line=dict(color=color(names.index(name)), width=1.5),
+                                    marker=dict(size=3),
                                     legendgroup=name, showlegend=(panel, name) != (3, "worked"),
                                     row=(panel - 1) // 2 + 1, col=(panel - 1) % 2 + 1)
 
