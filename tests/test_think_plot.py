@@ -64,3 +64,25 @@ def test_a_line_name_keeps_its_colour_across_panels():
         colours.setdefault(trace.name, set()).add(trace.line.color)
     assert all(len(c) == 1 for c in colours.values()), colours
     assert len({next(iter(c)) for c in colours.values()}) == len(colours)
+
+
+def test_the_credit_figure_averages_the_last_look_of_each_run(tmp_path):
+    import json
+
+    import pytest
+
+    from labkit.lab.think import credit_figure
+
+    for i, (a, b) in enumerate(((0.2, 0.4), (0.4, None))):
+        run = tmp_path / f"ppo-seed{i}"
+        run.mkdir()
+        old = {"step": 50, "by_position": {"critic": [9.0, 9.0]}, "critic_at_steps": []}
+        last = {"step": 100, "by_position": {"critic": [a, b], "grpo": [0.1, 0.1]},
+                "critic_at_steps": [[1, 5, a], [2, 3, 0.5]]}
+        (run / "credit.jsonl").write_text(json.dumps(old) + "\n" + json.dumps(last) + "\n")
+    fig = credit_figure(tmp_path)
+    critic = next(t for t in fig.data if t.name == "critic")
+    assert list(critic.y) == pytest.approx([0.3, 0.4])  # position 1: the one run that has it
+    assert len([t for t in fig.data if t.name and t.name.startswith("run ")]) == 2
+    with pytest.raises(FileNotFoundError, match="credit_every"):
+        credit_figure(tmp_path / "ppo-seed0" / "none")

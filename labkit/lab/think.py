@@ -138,6 +138,47 @@ def outputs(run_dir: str | Path, results: Mapping[str, RunResult], found: Micros
     return summary
 
 
+def credit_figure(root: str | Path, out: str | Path | None = None) -> go.Figure:
+    """The last look through the credit microscope of every run under `root` that looked
+    (credit.jsonl, `TrainConfig.credit_every`), averaged over the runs: each estimate's mean
+    absolute error against the Monte Carlo one by token position (left) and the critic's
+    error after each written step (right, a point per run); written as SVG to `out` when
+    given (kaleido, the `figures` extra)."""
+    import math
+
+    from labkit.credit import CREDIT_FILE, read_credit
+
+    looks = [read_credit(path.parent)[-1] for path in sorted(Path(root).rglob(CREDIT_FILE))
+             if read_credit(path.parent)]
+    if not looks:
+        raise FileNotFoundError(f"no run under {root} wrote {CREDIT_FILE} (credit_every)")
+    fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.12, subplot_titles=(
+        "error against Monte Carlo, by token position",
+        "critic's error after each written step"))
+    names = list(dict.fromkeys(k for look in looks for k in look["by_position"]))
+    for i, name in enumerate(names):
+        rows = [look["by_position"][name] for look in looks if name in look["by_position"]]
+        width = max(map(len, rows))
+        mean = []
+        for t in range(width):
+            got = [r[t] for r in rows if t < len(r) and r[t] is not None and math.isfinite(r[t])]
+            mean.append(sum(got) / len(got) if got else None)
+        fig.add_scatter(x=list(range(width)), y=mean, name=name, mode="lines+markers",
+                        line=dict(color=color(i)), marker=dict(size=4), row=1, col=1)
+    for j, look in enumerate(looks):
+        steps = look.get("critic_at_steps") or []
+        fig.add_scatter(x=[f"step {k}" for k, _, _ in steps], y=[e for _, _, e in steps],
+                        mode="markers+lines", name=f"run {j + 1}", showlegend=False,
+                        line=dict(color=color(1), width=1), marker=dict(size=6), row=1, col=2)
+    fig.update_xaxes(title_text="token position t", row=1, col=1)
+    fig.update_yaxes(title_text="mean |estimate - Monte Carlo|", row=1, col=1)
+    fig.update_layout(template=TEMPLATE, height=420, width=980,
+                      title=f"credit microscope, {len(looks)} runs at their last look")
+    if out is not None:
+        fig.write_image(str(out), format="svg")
+    return fig
+
+
 SIGNATURE = (("share of worked completions", "worked_start", "worked_final", 1.0, 3),
              ("mean completion length, tokens", "length_start", "length_final", 1.0, 1),
              ("held-out greedy accuracy, %", "accuracy_before", "accuracy_after", 100.0, 1))
@@ -169,5 +210,5 @@ def signature(path: str | Path) -> str:
     return "\n".join(lines) + "\n"
 
 
-__all__ = ["LivePlot", "look_at_ppo", "microscope_figure", "outputs", "signature",
-           "train_live"]
+__all__ = ["LivePlot", "credit_figure", "look_at_ppo", "microscope_figure", "outputs",
+           "signature", "train_live"]
