@@ -148,16 +148,16 @@ def credit_figure(root: str | Path, out: str | Path | None = None) -> go.Figure:
 
     from labkit.credit import CREDIT_FILE, read_credit
 
-    looks = [read_credit(path.parent)[-1] for path in sorted(Path(root).rglob(CREDIT_FILE))
+    records = [read_credit(path.parent)[-1] for path in sorted(Path(root).rglob(CREDIT_FILE))
              if read_credit(path.parent)]
-    if not looks:
+    if not records:
         raise FileNotFoundError(f"no run under {root} wrote {CREDIT_FILE} (credit_every)")
     fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.12, subplot_titles=(
         "error against Monte Carlo, by token position",
         "critic's error after each written step"))
-    names = list(dict.fromkeys(k for look in looks for k in look["by_position"]))
+    names = list(dict.fromkeys(k for r in records for k in r["by_position"]))
     for i, name in enumerate(names):
-        rows = [look["by_position"][name] for look in looks if name in look["by_position"]]
+        rows = [r["by_position"][name] for r in records if name in r["by_position"]]
         width = max(map(len, rows))
         mean = []
         for t in range(width):
@@ -165,15 +165,15 @@ def credit_figure(root: str | Path, out: str | Path | None = None) -> go.Figure:
             mean.append(sum(got) / len(got) if got else None)
         fig.add_scatter(x=list(range(width)), y=mean, name=name, mode="lines+markers",
                         line=dict(color=color(i)), marker=dict(size=4), row=1, col=1)
-    for j, look in enumerate(looks):
-        steps = look.get("critic_at_steps") or []
+    for j, record in enumerate(records):
+        steps = record.get("critic_at_steps") or []
         fig.add_scatter(x=[f"step {k}" for k, _, _ in steps], y=[e for _, _, e in steps],
                         mode="markers+lines", name=f"run {j + 1}", showlegend=False,
                         line=dict(color=color(1), width=1), marker=dict(size=6), row=1, col=2)
     fig.update_xaxes(title_text="token position t", row=1, col=1)
     fig.update_yaxes(title_text="mean |estimate - Monte Carlo|", row=1, col=1)
     fig.update_layout(template=TEMPLATE, height=420, width=980,
-                      title=f"credit microscope, {len(looks)} runs at their last look")
+                      title=f"credit microscope, {len(records)} runs at their last look")
     if out is not None:
         fig.write_image(str(out), format="svg")
     return fig
