@@ -179,7 +179,8 @@ class Microscope:
     critic: Tensor | None = None
     """(N, T) the critic's V(s_t) (PPO), None without a critic."""
     gae: Tensor | None = None
-    """(N, T) GAE's advantages from those values (PPO)."""
+    """(N, T) GAE's advantages from those values before PPO whitens them (its returns minus
+    the values), in the reward's units like A_t."""
 
     def errors(self) -> dict[str, Tensor]:
         """Mean absolute error by token position (T,) of each estimate against the Monte Carlo
@@ -235,7 +236,8 @@ def look(trainer, problems, *, samples: int = 8, seed: int = 0) -> Microscope:
     if learner.critic is not None:
         estimate, values = stages.advantages(config, learner, batch, rewards)
         found.critic = values.cpu().float().masked_fill(~mask.bool(), math.nan)
-        found.gae = estimate.advantages.cpu().float().masked_fill(~mask.bool(), math.nan)
+        raw = estimate.returns - values  # GAE before whitening: the reward's units
+        found.gae = raw.cpu().float().masked_fill(~mask.bool(), math.nan)
     return found
 
 

@@ -224,3 +224,20 @@ def test_vineppo_extras_hold_monte_carlo_values_at_each_step_boundary():
     assert extras["mc_continuations"].item() == 3 * boundaries
     result = trainer.step(1)
     assert result.metrics["perf/mc_continuations"] > 0 and result.metrics["perf/mc_s"] > 0
+
+
+def test_a_look_gives_gae_in_the_rewards_units_not_whitened():
+    """GAE with lambda = gamma = 1 and no KL telescopes: on each row its advantage at token t
+    is r - V(s_t), whatever the whitening PPO applies later."""
+    from labkit.config import TrainConfig
+    from labkit.credit import look
+    from labkit.tasks import ArithmeticTask
+    from labkit.trainer import Trainer
+
+    trainer = Trainer(TrainConfig(algo="ppo", task="think", group_size=2, batch_prompts=2,
+                                  lam=1.0, steps=1, eval_n=8, progress=False))
+    problems = ArithmeticTask(digits=1, operands=3, min_operands=2).sample(2, seed=2)
+    found = look(trainer, problems, samples=1, seed=0)
+    mask = found.batch.completion_mask.bool()
+    want = (found.rewards[:, None] - found.critic).masked_fill(~mask, float("nan"))
+    torch.testing.assert_close(found.gae, want, equal_nan=True, atol=1e-5, rtol=1e-5)

@@ -84,7 +84,7 @@ def test_page_from_finished_runs(finished):
     assert "**inconclusive at this budget**" in wide and "1.00 [-1.00, 3.00]" in wide
     assert "**supported**" in clear and "paired t over 3 seeds" in clear
     assert "**refuted**" in wrong  # the verdict comes from the interval, not the stored label
-    assert "90 min elapsed, on AVX2, 1 thread" in text  # the runs' machine, said once
+    assert "90 min elapsed" in text and text.count("AVX2, 1 thread") == 1  # said once
     # a claim with no finished run is listed, not left out
     assert "| 1. GRPO needs less time per step" in text
     assert "not run yet (0 of 2 runs)" in (out.with_suffix("") / "01_cost.md").read_text()
@@ -246,7 +246,7 @@ def test_the_page_decides_a_claim_from_its_per_seed_csv_once_its_runs_are_gone(f
     shutil.rmtree(root / "claim_fixture")  # the runs are gone; the CSV stays
     findings.write_findings(out, claims, root)
     assert glance_line(out.read_text()).split(" | ")[4:] == before.split(" | ")[4:]
-    assert "1 of 1 batches run" in out.read_text() and "90 min elapsed, on AVX2" in out.read_text()
+    assert "1 of 1 batches run" in out.read_text() and "Every run on AVX2" in out.read_text()
 
 
 def test_a_replication_is_read_once_at_its_fresh_seeds_beside_the_original(finished):

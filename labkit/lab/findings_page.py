@@ -190,15 +190,23 @@ def render(results: list[ClaimResult], commit: str | None, smoke: bool = False,
     lines += [f"The whole suite took {sum(sweeps.values()) / 3600:.2f} h of wall time "
               f"({len(sweeps)} sweeps, one after another, each running its training runs in "
               "parallel worker processes, on the machines named in the table).", ""]
+    places = {}
+    for r in results:
+        where = "; ".join(sorted({f"{rec['cpu']}, torch {rec.get('torch', '?')}"
+                                  for rec in r.records if rec.get("cpu")}))
+        if r.machines:  # the CPU's capability and the threads each run had
+            where = "; ".join(filter(None, [where, *sorted(r.machines)]))
+        places[id(r)] = where
+    shared = {w for w in places.values() if w}
+    if len(shared) == 1:  # one machine for every run: said once
+        lines += [f"Every run on {shared.pop()}.", ""]
+        places = {k: "" for k in places}
     for r in results:
         hours = r.compute_s / 3600
         made = (f", made at commit{'s' * (len(r.commits) > 1)} {', '.join(sorted(r.commits))}"
                 if r.commits else "")
         again = " (replication)" if r.replication else ""
-        where = "; ".join(sorted({f"{rec['cpu']}, torch {rec.get('torch', '?')}"
-                                  for rec in r.records if rec.get("cpu")}))
-        if r.machines:  # the CPU's capability and the threads each run had
-            where = "; ".join(filter(None, [where, *sorted(r.machines)]))
+        where = places[id(r)]
         lines.append(f"- claim {r.claim.get('id', '?')}{again}: `python -m labkit findings "
                      f"--all --only {r.file.stem}{flag}`; {r.runs_done} of "
                      f"{r.runs_total} batches run{made}, {hours:.2f} h of training runs' "
