@@ -19,6 +19,7 @@ import math
 import re
 import types
 from dataclasses import field, fields
+from functools import lru_cache
 from typing import Literal, Union, get_args, get_origin, get_type_hints
 
 from labkit.registry import Registry
@@ -76,10 +77,17 @@ def parse(value, hint, who: str, meta=None):
     raise ValueError(f"{who} must be {_kind_words(base, optional)}, got {value!r}")
 
 
+@lru_cache(maxsize=None)
+def type_hints(cls) -> dict:
+    """`typing.get_type_hints(cls)`, evaluated once per class (it parses every annotation,
+    and every config, command line and notebook parameter check asks for it); read-only."""
+    return get_type_hints(cls)
+
+
 def parse_field(cls, name: str, value, who: str | None = None):
     """`parse` for the field `name` of the dataclass `cls`; `who` defaults to `name`."""
     f = {f.name: f for f in fields(cls)}[name]
-    return parse(value, get_type_hints(cls)[name], who or name, f.metadata)
+    return parse(value, type_hints(cls)[name], who or name, f.metadata)
 
 
 def _named(kind, meta) -> tuple[str, ...] | None:
@@ -115,7 +123,7 @@ def _args(hint) -> tuple:
 
 def check(instance) -> None:
     """Every field of a dataclass instance against its annotation and metadata."""
-    hints = get_type_hints(type(instance))
+    hints = type_hints(type(instance))
     for f in fields(instance):
         _check_field(f.name, getattr(instance, f.name), hints[f.name], f.metadata)
 
@@ -173,7 +181,7 @@ def _bounds(name: str, bounds) -> str:
 def choices(cls) -> dict[str, str]:
     """The choices of each `Literal` or registry field of `cls` for --help: a Literal's on one
     line, a registry's one per line."""
-    hints, out = get_type_hints(cls), {}
+    hints, out = type_hints(cls), {}
     for f in fields(cls):
         if "registry" in f.metadata:
             out[f.name] = "\n" + f.metadata["registry"].describe("\n")
@@ -205,7 +213,7 @@ def base_types(cls) -> dict[str, type]:
     """The base type of each field (str for a choice, float for `float | None`), for the
     command line and the notebooks' parameter checks."""
     out = {}
-    for name, hint in get_type_hints(cls).items():
+    for name, hint in type_hints(cls).items():
         args = [a for a in get_args(hint) if a is not type(None)]
         if args and all(isinstance(a, str) for a in args):
             out[name] = str
