@@ -192,6 +192,17 @@ class Microscope:
             out["gae"] = by_position((self.gae - self.mc_advantages).abs(), mask)
         return out
 
+    def figures(self, tokenizer, steps: int | None = None) -> dict[str, float]:
+        """The flat `credit/...` figures of this look: each estimate's error averaged over
+        every real token, the critic's error after each of the first `steps` written steps
+        (None: all), and the continuations drawn."""
+        errors, mask = self.errors(), self.batch.completion_mask.bool()
+        flat = {f"credit/{name}_err": _token_mean(by_pos, mask)
+                for name, by_pos in errors.items()}
+        for k, _, error in self.critic_error_at_steps(tokenizer)[:steps]:
+            flat[f"credit/critic_err_s{k}"] = error
+        return flat | {"credit/continuations": float(self.mc.continuations)}
+
     def critic_error_at_steps(self, tokenizer) -> list[tuple[int, int, float]]:
         """(k, completions, mean |V_critic - V_MC|) after the k-th written step, for each k
         some completion reaches; empty without a critic."""
@@ -274,15 +285,9 @@ class RunCredit:
             found = look(trainer, trainer.problems.eval[:config.credit_prompts],
                          samples=config.credit_samples, seed=config.seed * 7919 + step)
         random.setstate(state)
-        errors = found.errors()
-        mask = found.batch.completion_mask.bool()
-        flat = {"credit/continuations": float(found.mc.continuations),
-                "credit/seconds": found.mc.seconds}
-        for name in errors:
-            flat[f"credit/{name}_err"] = _token_mean(errors[name], mask)
-        steps = found.critic_error_at_steps(trainer.tokenizer)
-        for k, _, error in steps[:STEPS_LOGGED]:
-            flat[f"credit/critic_err_s{k}"] = error
+        flat = found.figures(trainer.tokenizer, STEPS_LOGGED) | {
+            "credit/seconds": found.mc.seconds}
+        errors, steps = found.errors(), found.critic_error_at_steps(trainer.tokenizer)
         record = {"step": step, "by_position": {k: [None if math.isnan(x) else round(x, 6)
                                                     for x in v.tolist()]
                                                 for k, v in errors.items()},

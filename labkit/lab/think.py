@@ -126,14 +126,9 @@ def microscope_figure(found: Microscope, tokenizer) -> go.Figure:
 
 def outputs(run_dir: str | Path, results: Mapping[str, RunResult], found: Microscope,
             tokenizer, **params) -> dict:
-    """summary.json (params, each run's summary row, the microscope's figures) and
-    metrics.jsonl; returns the summary."""
-    figures = {f"credit/{name}_err": float(errors[errors.isfinite()].mean())
-               for name, errors in found.errors().items()}
-    figures["credit/continuations"] = found.mc.continuations
-    for k, n, error in found.critic_error_at_steps(tokenizer):
-        figures[f"credit/critic_err_s{k}"] = error
-    summary = flat_summary(summary_rows(results), **params, **figures)
+    """summary.json (params, each run's summary row, the look's `credit/...` figures, as a
+    run logs them) and metrics.jsonl; returns the summary."""
+    summary = flat_summary(summary_rows(results), **params, **found.figures(tokenizer))
     write_outputs(run_dir, summary, histories(results))
     return summary
 
