@@ -160,6 +160,15 @@ class TrainConfig:
     ratio|; k1+, k3+, abs+ keep their base kind's value with k2's gradient (verl); full is
     the exact KL over the vocabulary at each state (keeps the reference's (N, T, V)
     log-distributions, so its memory grows with the vocabulary)."""
+    ref_sync_every: int = bounded(0, ge=0)
+    """Iterative GRPO (DeepSeekMath's iterative RL; TRL's sync_ref_model): after every
+    ref_sync_every-th step the reference becomes ref_mix x policy + (1 - ref_mix) x
+    reference, weight by weight (TRL's ref_model_sync_steps, counted in steps here). It needs
+    a reference (beta > 0) and a whole one (lora_rank=0). 0: the reference stays the
+    starting model."""
+    ref_mix: float = bounded(0.6, gt=0, le=1)
+    """The sync's mix alpha (TRL's ref_model_mixup_alpha, 0.6 by default there too); 1
+    copies the policy into the reference."""
     entropy_coef: float = bounded(0.0, ge=0)
     """Entropy bonus: loss - entropy_coef * mean entropy."""
     dynamic_sampling: bool = False

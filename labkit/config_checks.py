@@ -69,6 +69,12 @@ def check_combinations(config: TrainConfig) -> None:
                          f"got {config.lora_targets!r}")
     if config.kl_target is not None and config.beta == 0:
         raise ValueError("kl_target adapts beta: it needs beta > 0 (its starting value)")
+    if config.ref_sync_every and config.beta == 0:
+        raise ValueError("ref_sync_every moves the reference toward the policy: it needs a "
+                         "reference, beta > 0")
+    if config.ref_sync_every and config.lora_rank:
+        raise ValueError("ref_sync_every cannot move a LoRA run's reference: it is the policy "
+                         "with its adapters off, not weights of its own (use lora_rank=0)")
     if config.reinforce and config.algo != "grpo":
         raise ValueError("reinforce applies to algo='grpo' (group baselines), not ppo")
     check_estimator(config)

@@ -32,6 +32,8 @@ class Learner:
     """How the policy, the reference and the critic run (`TrainConfig.fast`)."""
     beta: float = 0.0
     """The KL coefficient now: config.beta, moved by the adaptive controller (kl_target)."""
+    reference_moves: bool = False
+    """Whether the reference moves during the run (ref_sync_every): checkpoints keep it."""
 
     @property
     def processes(self) -> int:
@@ -281,6 +283,7 @@ def build_learner(config: TrainConfig, accelerator):
         policy, optimizer, scheduler = _prepare(accelerator, policy, optimizer, scheduler)
         learner = Learner(policy, optimizer, scheduler, accelerator, reference, passes=passes,
                           beta=config.beta)
+    learner.reference_moves = bool(config.ref_sync_every)
     return learner, tokenizer
 
 
@@ -303,11 +306,14 @@ def _prepare(accelerator, *objects):
 
 def learner_state(learner: Learner) -> dict:
     """The weights, optimizer and schedule states a checkpoint holds (the policy's and, for
-    PPO, the critic's), and the KL coefficient as the adaptive controller left it."""
+    PPO, the critic's; a moving reference's), and the KL coefficient as the adaptive
+    controller left it."""
     acc = learner.accelerator
     state = {"policy": _weights(acc.unwrap_model(learner.policy)),
              "optimizer": learner.optimizer.state_dict(),
              "scheduler": learner.scheduler.state_dict(), "beta": learner.beta}
+    if learner.reference_moves:  # iterative GRPO: the reference is no longer the model's
+        state["reference"] = learner.reference.state_dict()
     if learner.critic is not None:
         state |= {"critic": _weights(acc.unwrap_model(learner.critic)),
                   "critic_optimizer": learner.critic_optimizer.state_dict(),
@@ -346,6 +352,11 @@ def restore_learner(learner: Learner, state: dict) -> None:
     learner.optimizer.load_state_dict(state["optimizer"])
     learner.scheduler.load_state_dict(state["scheduler"])
     learner.beta = state.get("beta", learner.beta)  # older checkpoints: the config's beta
+    if learner.reference_moves:
+        if "reference" not in state:
+            raise ValueError("the checkpoint holds no reference weights, which a run with "
+                             "ref_sync_every needs to resume (it was saved without syncs)")
+        learner.reference.load_state_dict(state["reference"])
     if learner.critic is not None:
         _load_weights(acc.unwrap_model(learner.critic), state["critic"])
         learner.critic_optimizer.load_state_dict(state["critic_optimizer"])

@@ -109,6 +109,9 @@ METRICS: dict[str, str] = {
     "policy/kl_k1":
         "mean over unmasked tokens of k1 = logp_old - logp_ref, the sampling log-probs against "
         "the reference before the update: the same quantity for GRPO and PPO (beta > 0 only)",
+    "ref/synced":
+        "ref_sync_every > 0: 1.0 on a step after which the reference was mixed toward the "
+        "policy (iterative GRPO), else 0.0; policy/kl_k1 drops on the step after",
     "policy/entropy": "mean per-token entropy of the policy over unmasked tokens, in nats",
     "value/explained_var":
         "1 - Var(R - V) / Var(R) over unmasked tokens: 1 is a perfect critic, 0 no better than a "

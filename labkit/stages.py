@@ -2,6 +2,7 @@
 
     sample -> reward -> [overlong] -> [correct_mismatch] -> reference_logprobs
            -> [kl_in_reward] -> advantages -> [kept_rows] -> (labkit.update) -> [adapt_beta]
+    then, by the trainer, which counts the steps: [sync_reference]
 
 A stage in brackets is a variant: it returns its input unchanged (or nothing) unless the
 config asks for it, so a reader can skip it. Several processes (`accelerate launch`) change
@@ -326,3 +327,30 @@ def adapt_beta(config: TrainConfig, learner: Learner, batch: RolloutBatch,
                                             config.kl_target, config.kl_horizon,
                                             mask.shape[0])
     return stats
+
+
+def sync_reference(config: TrainConfig, learner: Learner, step: int) -> dict:
+    """[variant] Iterative GRPO's moving reference (`ref_sync_every`): after every
+    ref_sync_every-th step each reference weight becomes alpha x the policy's + (1 - alpha)
+    x its own, alpha = ref_mix (TRL's SyncRefModelCallback; alpha 1 copies). Returns
+    `ref/synced` (1.0 on a sync step, else 0.0) whenever the config syncs, {} otherwise."""
+    if not config.ref_sync_every:
+        return {}
+    if step % config.ref_sync_every:
+        return {"ref/synced": 0.0}
+    mix_into(learner.reference, learner.accelerator.unwrap_model(learner.policy),
+             config.ref_mix)
+    return {"ref/synced": 1.0}
+
+
+@torch.no_grad()
+def mix_into(target: torch.nn.Module, source: torch.nn.Module, alpha: float) -> None:
+    """target <- alpha x source + (1 - alpha) x target, parameter by parameter in order (the
+    two models share an architecture); a target held in bf16 rounds the result to bf16."""
+    pairs = list(zip(target.parameters(), source.parameters(), strict=True))
+    for theirs, ours in pairs:
+        if theirs.shape != ours.shape:
+            raise ValueError(f"the reference and the policy differ in shape ({tuple(theirs.shape)}"
+                             f" against {tuple(ours.shape)}): a sync needs the same model")
+    for theirs, ours in pairs:
+        theirs.mul_(1.0 - alpha).add_(ours.to(theirs.dtype), alpha=alpha)

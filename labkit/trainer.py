@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from labkit import algos, parallel, rundir, samples, stops
+from labkit import algos, parallel, rundir, samples, stages, stops
 from labkit import metrics as M
 from labkit.advantages import NonFiniteError
 from labkit.config import TrainConfig
@@ -156,6 +156,7 @@ def _one_step(config, learner, tokenizer, problems, step: int, step_seed: int,
 
     t0 = time.perf_counter()
     out = algos.step(config, learner, tokenizer, problems, step_seed, on_rollout)
+    out.stats |= stages.sync_reference(config, learner, step)  # variant: iterative GRPO
     t2 = time.perf_counter()
     t1 = marks.get("rollout", t2)
     batch = out.batch
