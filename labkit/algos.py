@@ -48,12 +48,33 @@ class StepOutput:
     """PPO: GAE returns (N, T), the critic's target."""
 
 
+def _dpo_step():
+    from labkit import preference
+
+    return preference.step
+
+
+def _rft_step():
+    from labkit import rft
+
+    return rft.step
+
+
+OTHER_STEPS = {"dpo": _dpo_step, "rft": _rft_step}
+"""The algorithms that are not a policy gradient on advantages: their step, imported when
+asked for."""
+
+
 def step(config: TrainConfig, learner: Learner, tokenizer, problems: list[Problem],
          step_seed: int, on_rollout: Callable[[RolloutBatch, Tensor], None] | None = None
          ) -> StepOutput:
     """One GRPO or PPO step on `problems`; every random draw is seeded from `step_seed`.
     `on_rollout(batch, rewards)` is called between the reward and the update (the trainer
-    times the rollout and keeps a sample of it there)."""
+    times the rollout and keeps a sample of it there). DPO's and RFT's steps share the
+    rollout and the reward and go their own way after (`labkit.preference`, `labkit.rft`)."""
+    if config.algo in OTHER_STEPS:
+        return OTHER_STEPS[config.algo]()(config, learner, tokenizer, problems, step_seed,
+                                          on_rollout)
     # 1. rollout: G completions per prompt, with the sampling policy's log-probs
     batch = stages.sample(config, learner, tokenizer, problems, step_seed)
     # 2. reward: one scalar per completion

@@ -26,7 +26,7 @@ from labkit.policy_losses import LOSS_SPECS
 from labkit.reward_expr import REWARD_SPECS, spec_text
 
 
-ALGO_LR = {"grpo": 1e-3, "ppo": 5e-4}
+ALGO_LR = {"grpo": 1e-3, "ppo": 5e-4, "dpo": 1e-3, "rft": 1e-3}
 """The policy learning rate a config gets when it names none (`lr=None`)."""
 
 TASK_SHAPES = {
@@ -42,8 +42,11 @@ class TrainConfig:
     """A training run of GRPO (or a variant) or PPO on one task."""
 
     # --- what to train -------------------------------------------------------------
-    algo: Literal["grpo", "ppo"] = "grpo"
-    """grpo: group-relative advantages, no critic; ppo: a critic and GAE."""
+    algo: Literal["grpo", "ppo", "dpo", "rft"] = "grpo"
+    """grpo: group-relative advantages, no critic; ppo: a critic and GAE; dpo: the DPO loss on
+    pairs from each group, chosen rewarded above rejected (labkit.preference); rft:
+    rejection-sampling fine-tuning, a supervised step on the rewarded completions
+    (labkit.rft). All four sample B x G completions a step."""
     model: str | None = None
     """Local model folder or hub id; None is the embedded tiny model."""
     task: Literal["arithmetic", "think", "dataset", "gsm8k", "code"] = "arithmetic"
@@ -212,6 +215,20 @@ class TrainConfig:
     """The soft overlong punishment at the budget's end (verl's penalty_factor)."""
     reinforce: bool = False
     """Plain REINFORCE with the advantage as weight: one update, no ratio, no clip."""
+
+    # --- DPO -------------------------------------------------------------------------
+    dpo_beta: float = bounded(0.1, gt=0)
+    """DPO: beta, the strength of the reference in the loss (TRL's DPOConfig.beta, 0.1 there
+    too); the implied reward of a completion is beta log pi/pi_ref."""
+    dpo_loss: Literal["sigmoid", "ipo", "robust"] = "sigmoid"
+    """DPO: the loss of a pair (labkit.preference): sigmoid (DPO; with label_smoothing the
+    conservative DPO), ipo (length-normalised, as TRL), robust (Chowdhury et al., 2024)."""
+    label_smoothing: float = bounded(0.0, ge=0, lt=0.5)
+    """DPO: the probability that a pair's preference is flipped (sigmoid and robust)."""
+    dpo_online: bool = True
+    """DPO: sample each step's pairs from the policy as it stands (online DPO); False samples
+    them from the starting model (offline: a dataset drawn once from it, each sample used
+    once)."""
 
     # --- PPO -------------------------------------------------------------------------
     gamma: float = bounded(1.0, ge=0, le=1)
@@ -384,6 +401,11 @@ class TrainConfig:
         measure or correct)."""
         return (self.sampler_temperature is not None or self.sampler_precision != "auto"
                 or self.mismatch_is != "off" or self.reject_low is not None)
+
+    @property
+    def has_reference(self) -> bool:
+        """Whether a run holds a reference model: for the KL penalty (beta > 0) or DPO's."""
+        return self.beta > 0 or self.algo == "dpo"
 
     @property
     def kl_place(self) -> str:

@@ -69,12 +69,13 @@ def check_combinations(config: TrainConfig) -> None:
                          f"got {config.lora_targets!r}")
     if config.kl_target is not None and config.beta == 0:
         raise ValueError("kl_target adapts beta: it needs beta > 0 (its starting value)")
-    if config.ref_sync_every and config.beta == 0:
+    if config.ref_sync_every and not config.has_reference:
         raise ValueError("ref_sync_every moves the reference toward the policy: it needs a "
-                         "reference, beta > 0")
+                         "reference, beta > 0 (or algo='dpo')")
     if config.ref_sync_every and config.lora_rank:
         raise ValueError("ref_sync_every cannot move a LoRA run's reference: it is the policy "
                          "with its adapters off, not weights of its own (use lora_rank=0)")
+    check_algo_fields(config)
     if config.reinforce and config.algo != "grpo":
         raise ValueError("reinforce applies to algo='grpo' (group baselines), not ppo")
     check_estimator(config)
@@ -95,6 +96,50 @@ def check_combinations(config: TrainConfig) -> None:
                          f"{config.rows // config.minibatches} rows of a minibatch")
     if config.grad_accum > 1:  # its micro-batches are weighed by what the mode divides by
         normaliser_of(config.agg)
+
+POLICY_GRADIENT_ONLY = ("beta", "reinforce", "loss", "ratio_level", "dual_clip",
+                        "dynamic_sampling", "mask_truncated", "overlong_buffer", "top_entropy",
+                        "mismatch_is", "reject_low", "sampler_temperature", "sampler_precision",
+                        "entropy_coef", "eps_low", "eps_high")
+"""Fields only GRPO's and PPO's update reads (its ratio, clip, KL penalty, reward shaping and
+row filters): a DPO or RFT config must leave them at their defaults."""
+
+DPO_ONLY = ("dpo_beta", "dpo_loss", "label_smoothing", "dpo_online")
+"""Fields only DPO reads."""
+
+
+def check_algo_fields(config: TrainConfig) -> None:
+    """A field another algorithm reads is refused, not silently ignored; and DPO's own
+    rules (label smoothing, offline sampling)."""
+    from dataclasses import fields
+
+    defaults = {f.name: f.default for f in fields(config)}
+    if config.algo in ("dpo", "rft"):
+        changed = [n for n in POLICY_GRADIENT_ONLY if getattr(config, n) != defaults[n]]
+        if changed:
+            raise ValueError(f"algo={config.algo!r} does not read {', '.join(changed)}: those "
+                             "set GRPO's and PPO's update (ratio, clip, KL penalty, shaping); "
+                             "leave them at their defaults")
+    if config.algo != "dpo":
+        changed = [n for n in DPO_ONLY if getattr(config, n) != defaults[n]]
+        if changed:
+            raise ValueError(f"{', '.join(changed)} set DPO's loss: they need algo='dpo', "
+                             f"not {config.algo!r}")
+        return
+    if config.group_size < 2:
+        raise ValueError(f"group_size must be >= 2: DPO pairs completions of one prompt, got "
+                         f"{config.group_size}")
+    if config.label_smoothing and config.dpo_loss == "ipo":
+        raise ValueError("label_smoothing applies to dpo_loss 'sigmoid' and 'robust', not "
+                         "'ipo'")
+    if not config.dpo_online and config.lora_rank:
+        raise ValueError("dpo_online=False samples from the starting model, a frozen copy that "
+                         "a LoRA run does not hold (its reference is the policy with adapters "
+                         "off): use dpo_online=True or lora_rank=0")
+    if not config.dpo_online and config.ref_sync_every:
+        raise ValueError("dpo_online=False samples from the starting model: ref_sync_every "
+                         "would move it (use one or the other)")
+
 
 def check_estimator(config: TrainConfig) -> None:
     """An estimator that reads a critic's values is PPO's; any other is GRPO's; and it

@@ -230,7 +230,7 @@ def check_full_kl_memory(config: TrainConfig, vocab: int) -> None:
 
 
 def build_learner(config: TrainConfig, accelerator):
-    """Policy (+ frozen reference when beta > 0, + a critic when the estimator reads its
+    """Policy (+ frozen reference when beta > 0 or for DPO, + a critic when the estimator reads its
     values: PPO's gae), optimizers, schedules."""
     from labkit.models import load
 
@@ -243,7 +243,7 @@ def build_learner(config: TrainConfig, accelerator):
     reference = None
     if config.beta > 0 and config.kl_estimator == "full":
         check_full_kl_memory(config, policy.get_output_embeddings().weight.shape[0])
-    if config.beta > 0 and not config.lora_rank:
+    if config.has_reference and not config.lora_rank:
         # frozen: under bf16 autocast its products run in bf16 anyway, so it is held in bf16
         # (half the memory); only its norm weights round differently from an fp32 copy
         held = "bf16" if accelerator.mixed_precision == "bf16" else "fp32"
@@ -261,7 +261,7 @@ def build_learner(config: TrainConfig, accelerator):
         from labkit import lora
 
         lora.add_adapters(policy, config)
-        if config.beta > 0:
+        if config.has_reference:
             reference = lora.AdaptersOff(policy)  # the base model: the policy, adapters off
         if critic is not None:
             lora.add_adapters(critic.backbone, config)  # freezes the backbone, not the head

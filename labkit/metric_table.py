@@ -108,10 +108,25 @@ METRICS: dict[str, str] = {
         "sampling log-probs, as in its reward",
     "policy/kl_k1":
         "mean over unmasked tokens of k1 = logp_old - logp_ref, the sampling log-probs against "
-        "the reference before the update: the same quantity for GRPO and PPO (beta > 0 only)",
+        "the reference before the update: the same quantity for GRPO and PPO (beta > 0), and "
+        "online DPO",
     "ref/synced":
         "ref_sync_every > 0: 1.0 on a step after which the reference was mixed toward the "
         "policy (iterative GRPO), else 0.0; policy/kl_k1 drops on the step after",
+    "dpo/pairs": "algo dpo: preference pairs of the step (chosen rewarded above rejected, "
+                 "from the same group)",
+    "dpo/pairless_frac": "algo dpo: fraction of groups that gave no pair (all rewards equal), "
+                         "skipped as GRPO's zero-std groups",
+    "dpo/reward_chosen": "algo dpo: mean implied reward beta log pi/pi_ref of the chosen "
+                         "completions (TRL rewards/chosen)",
+    "dpo/reward_rejected": "algo dpo: mean implied reward of the rejected completions (TRL "
+                           "rewards/rejected)",
+    "dpo/reward_margin": "algo dpo: mean implied reward of chosen minus rejected (TRL "
+                         "rewards/margins)",
+    "dpo/reward_accuracy": "algo dpo: fraction of pairs whose chosen completion has the higher "
+                           "implied reward (TRL rewards/accuracies)",
+    "loss/dpo": "algo dpo: the DPO loss of dpo_loss, mean over the pairs",
+    "loss/sft": "algo rft: -log-prob of the kept completions' tokens, aggregated by agg",
     "policy/entropy": "mean per-token entropy of the policy over unmasked tokens, in nats",
     "value/explained_var":
         "1 - Var(R - V) / Var(R) over unmasked tokens: 1 is a perfect critic, 0 no better than a "

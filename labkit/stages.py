@@ -31,11 +31,13 @@ from labkit.tasks import Problem
 
 
 def sample(config: TrainConfig, learner: Learner, tokenizer, problems: list[Problem],
-           step_seed: int) -> RolloutBatch:
-    """G completions of each problem's prompt from the policy, with the sampling log-probs of
-    their tokens (the ratio's old side). One autocast region holds the whole rollout, so its
-    weight casts (bf16) are made once and reused by every decode step."""
-    policy = learner.accelerator.unwrap_model(learner.policy)
+           step_seed: int, model=None) -> RolloutBatch:
+    """G completions of each problem's prompt from the policy (or from `model`: offline DPO
+    samples from the frozen reference), with the sampling log-probs of their tokens (the
+    ratio's old side). One autocast region holds the whole rollout, so its weight casts
+    (bf16) are made once and reused by every decode step."""
+    own = model is None
+    policy = learner.accelerator.unwrap_model(learner.policy if own else model)
     bf16 = config.sampler_precision == "bf16"
 
     def draw(prompts: list[str], **keywords) -> RolloutBatch:
@@ -49,7 +51,8 @@ def sample(config: TrainConfig, learner: Learner, tokenizer, problems: list[Prob
                            decoder=learner.passes.bf16_decoder if bf16
                            else learner.passes.decoder,
                            # a bf16 sampler feeds an fp32 learner: its products cannot stand in
-                           keep_outputs=learner.passes.replays and config.replay and not bf16,
+                           keep_outputs=learner.passes.replays and config.replay
+                           and not bf16 and own,
                            **keywords)
 
     prompts = [p.prompt for p in problems]

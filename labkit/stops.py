@@ -128,10 +128,17 @@ def never_logged(rule: StopRule, config) -> str | None:
     mistake, not a safety net), or None when it may."""
     c, m = config, rule.metric
     needs = [
-        (m in ("policy/kl", "policy/kl_k1", "loss/kl"), c.beta > 0, "beta > 0"),
+        (m in ("policy/kl", "loss/kl"), c.beta > 0, "beta > 0"),
+        (m == "policy/kl_k1", c.beta > 0 or (c.algo == "dpo" and c.dpo_online),
+         "beta > 0 or online DPO"),
         (m == "loss/kl", c.algo == "grpo", "algo='grpo' (PPO puts the KL in the reward)"),
         (m.startswith("value/") or m == "loss/value", c.algo == "ppo", "algo='ppo'"),
-        (m == "rollout/kept_frac", c.algo == "grpo", "algo='grpo'"),
+        (m == "rollout/kept_frac", c.algo in ("grpo", "rft"), "algo='grpo' or 'rft'"),
+        (m.startswith("dpo/") or m == "loss/dpo", c.algo == "dpo", "algo='dpo'"),
+        (m == "loss/sft", c.algo == "rft", "algo='rft'"),
+        (m == "ref/synced", c.ref_sync_every > 0, "ref_sync_every > 0"),
+        (m.startswith(("clip/", "ratio/")) or m == "loss/policy", c.algo in ("grpo", "ppo"),
+         "algo='grpo' or 'ppo'"),
         (m == "clip/dual", c.dual_clip is not None, "dual_clip"),
         (m == "loss/entropy", c.entropy_coef > 0, "entropy_coef > 0"),
         (m.startswith(("clip/", "ratio/")), not c.reinforce, "reinforce=False"),

@@ -48,7 +48,7 @@ def test_train_help_lists_each_registry_and_literal_choice(capsys):
     text = " ".join(capsys.readouterr().out.split())
     for registry in (estimators.ESTIMATORS, losses.AGG_MODES, rewards.REWARDS):
         assert all(f"{name}:" in text for name in registry), registry
-    assert "Choices: grpo, ppo." in text
+    assert "Choices: grpo, ppo, dpo, rft." in text
     assert "Choices: auto, k1, k2, k3, abs, k1+, k3+, abs+, full." in text
     assert text.count("package.module:function") >= 4  # estimator, loss, agg, reward
 
