@@ -260,3 +260,48 @@ def test_under_lora_the_reference_is_the_policy_with_adapters_off(tmp_path):
     trained = [m for m in results if m["dpo/pairs"] > 0]
     assert trained and all(math.isfinite(m["loss/dpo"]) for m in trained)
     assert any(abs(m["dpo/reward_chosen"]) > 0 for m in trained[1:] or trained)
+
+
+def test_three_steps_match_trls_dpo_trainer_train(think, tmp_path):
+    """Three optimizer steps on the same pairs from the same starting model: labkit's DPO
+    update (num_iterations=3, one minibatch) against TRL's DPOTrainer.train (max_steps=3,
+    one batch of every pair), both AdamW at a constant lr with grad-norm clipping. The
+    weights end where TRL's end, to a thousandth of the distance they moved."""
+    trl = pytest.importorskip("trl")
+    datasets = pytest.importorskip("datasets")
+    from labkit import stages
+    from labkit.models import load
+
+    config = TrainConfig(task="think", batch_prompts=8, group_size=4, lr=1e-3,
+                         warmup_steps=0, schedule="constant", num_iterations=3,
+                         dpo_beta=0.1, eval_n=16, progress=False, algo="dpo")
+    trainer = Trainer(config)
+    learner = trainer.learner
+    start = torch.cat([p.detach().flatten().clone() for p in trainer.policy.parameters()])
+    problems = trainer.problems.draw(0)
+    batch = stages.sample(config, learner, trainer.tokenizer, problems, 0)
+    found = P.pairs(stages.reward(config, problems, batch, 0), config.group_size)
+    assert len(found.chosen) >= 4
+    ref = stages.no_grad_scores(config, learner.reference, learner, batch, distribution=False)
+    P.update(config, learner, batch, found, ref, 0)
+    ours = torch.cat([p.detach().flatten() for p in trainer.policy.parameters()])
+
+    policy, tokenizer = load(config.model, device="cpu")
+    reference, _ = load(config.model, device="cpu")
+    examples = _trl_examples(batch, found.chosen, found.rejected)
+    args = trl.DPOConfig(output_dir=str(tmp_path), beta=0.1, loss_type=["sigmoid"],
+                         learning_rate=1e-3, lr_scheduler_type="constant", warmup_steps=0,
+                         weight_decay=0.0, max_grad_norm=1.0, max_steps=3,
+                         per_device_train_batch_size=len(examples), report_to="none",
+                         use_cpu=True, bf16=False, save_strategy="no", disable_tqdm=True,
+                         max_length=None, seed=0, logging_steps=1)
+    text = datasets.Dataset.from_list([{"prompt": "1+1=", "chosen": "2", "rejected": "3"}])
+    peer = trl.DPOTrainer(model=policy, ref_model=reference, args=args, train_dataset=text,
+                          processing_class=tokenizer)
+    peer.train_dataset = datasets.Dataset.from_list(examples)  # labkit's token ids, as sampled
+    peer.train()
+    theirs = torch.cat([p.detach().flatten() for p in peer.model.parameters()])
+
+    moved = (theirs - start).norm()
+    assert moved > 1e-2
+    assert (ours - theirs).norm() / moved < 1e-3
