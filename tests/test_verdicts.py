@@ -34,6 +34,34 @@ def test_grpo_vs_ppo_pairs_by_seed():
     assert memory.interval.mean == pytest.approx(1.0) and memory.verdict == stats.REFUTED
 
 
+def test_algo_findings_ask_grpo_against_each_other_arm_in_order():
+    dpo = [_row("dpo", 0, 0.30, 0.10, 500.0), _row("dpo", 1, 0.33, 0.11, 500.0),
+           _row("dpo", 2, 0.25, 0.09, 500.0)]
+    found = verdicts.algo_findings(ROWS + dpo)
+    assert [f.question for f in found] == [
+        "grpo gains more held-out accuracy than ppo", "a ppo step takes longer than a grpo step",
+        "ppo's process needs more memory than grpo's",
+        "grpo gains more held-out accuracy than dpo", "a dpo step takes longer than a grpo step",
+        "dpo's process needs more memory than grpo's"]
+    assert found[3].interval.mean == pytest.approx(100 * (0.50 - 0.30 + 0.55 - 0.33
+                                                         + 0.40 - 0.25) / 3)
+    assert found[3].verdict == stats.SUPPORTED  # grpo gained 20, 22, 15 points more
+    assert found[4].verdict == stats.REFUTED  # a dpo step took half a grpo step's time
+    assert found[5].interval.mean == pytest.approx(500 / 600)
+    assert verdicts.algo_findings(dpo) == []  # no grpo arm: nothing to ask
+
+
+def test_compare_leaves_grpos_fields_out_of_a_dpo_run(tmp_path):
+    from labkit.lab import experiments
+
+    results = experiments.compare(["dpo"], run_dir=tmp_path, steps=1, batch_prompts=2,
+                                  group_size=2, eval_n=4, eval_every=1, beta=0.02,
+                                  eps_high=0.28, lr=1e-3)
+    config = results["dpo"].config
+    assert config.algo == "dpo" and config.beta == 0 and config.eps_high == 0.2
+    assert config.lr == 1e-3  # the shared settings stay
+
+
 def test_an_unpaired_or_missing_arm_is_an_error():
     with pytest.raises(ValueError, match="share no seed"):
         verdicts.grpo_vs_ppo([_row("grpo", 0, 0.5, 0.2, 1.0), _row("ppo", 1, 0.5, 0.2, 1.0)])

@@ -29,7 +29,8 @@ from labkit.lab.summaries import (arms_table, describe, describe_diagnostics, de
 from labkit.lab.questions import (MONITORS, QUESTIONS, answer, diagnostic_findings,
                                   factor_findings, informative_findings, monitor_findings)
 from labkit.lab.verdicts import (Finding, arm_findings, arm_rows, describe_findings,
-                                 findings_summary, group_size_findings, grpo_vs_ppo)
+                                 findings_summary, group_size_findings, grpo_vs_ppo,
+                                 algo_findings)
 from labkit.lab.widgets import live_controls
 
 __all__ = ["BUDGETS", "DEFAULT_ARMS", "MONITORS", "NOTEBOOK_DEFAULTS", "QUESTIONS", "Finding",
@@ -38,7 +39,7 @@ __all__ = ["BUDGETS", "DEFAULT_ARMS", "MONITORS", "NOTEBOOK_DEFAULTS", "QUESTION
            "batch_prompts_for", "compare", "first_and_last_rollouts", "compare_arms", "describe", "describe_diagnostics", "describe_findings",
            "describe_sweep", "figure_records", "final_diagnostics", "findings_summary",
            "flat_summary", "fresh_dir", "group_size_findings", "group_size_runs",
-           "group_summary", "grpo_vs_ppo", "histories", "live_controls", "live_outputs",
+           "group_summary", "grpo_vs_ppo", "algo_findings", "histories", "live_controls", "live_outputs",
            "live_training", "parse_arms", "parse_list", "ppo_row_advantages", "problem",
            "project_root", "registered_advantages",
            "resolve_run_dir", "run_all", "run_config", "seed_list", "setup", "state_mb",

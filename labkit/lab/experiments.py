@@ -163,17 +163,23 @@ def compare(algos: Iterable[str], *, run_dir: str | Path, seed: int = 0, seeds: 
     """Train each algorithm on each seed with the same config (see `run_all` for `workers`).
 
     Seeds are paired: seed s draws the same B prompts at every step for every algorithm, and
-    both sample B x G completions a step (PPO samples G per prompt too), so the arms of a seed
-    see the same prompts with the same sample budget. Each run writes
+    each samples B x G completions a step (PPO samples G per prompt too; DPO pairs them, RFT
+    keeps the rewarded), so the arms of a seed see the same prompts with the same sample
+    budget. DPO and RFT runs leave out the overrides only GRPO's and PPO's update reads
+    (`beta`, the clip, ...: `labkit.config_checks.POLICY_GRADIENT_ONLY`). Each run writes
     `run_dir/<algo>/` (one seed) or `run_dir/<algo>-seed<s>/`; see `run_name`.
     """
+    from labkit.config_checks import POLICY_GRADIENT_ONLY
+
     chosen = seed_list(seed, seeds)
     configs = {}
     for s in chosen:
         for algo in algos:
             folder = algo if len(chosen) == 1 else f"{algo}-seed{s}"
+            given = overrides if algo in ("grpo", "ppo") else \
+                {k: v for k, v in overrides.items() if k not in POLICY_GRADIENT_ONLY}
             configs[run_name(algo, s, chosen)] = run_config(Path(run_dir) / folder, algo=algo,
-                                                            seed=s, **overrides)
+                                                            seed=s, **given)
     return run_all(configs, workers=workers, callbacks=callbacks)
 
 

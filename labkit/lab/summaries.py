@@ -38,11 +38,12 @@ def _parameter_counts(model: str | None) -> tuple[int, int, int]:
 
 def state_mb(config: TrainConfig) -> float:
     """Training state in MiB at fp32: the policy with its gradients and two AdamW moments
-    (4 copies), the frozen reference when beta > 0 (1 copy), and PPO's critic, a backbone
+    (4 copies), the frozen reference when beta > 0 or for DPO (1 copy; none under LoRA,
+    whose reference is the policy with adapters off), and PPO's critic, a backbone
     copy with a value head (4 copies). Activations are not counted; on a GPU
     `perf/mem_mb` measures everything."""
     policy, backbone, hidden = _parameter_counts(config.model)
-    floats = 4 * policy + (policy if config.beta > 0 else 0)
+    floats = 4 * policy + (policy if config.has_reference else 0)
     if config.algo == "ppo":
         floats += 4 * (backbone + hidden + 1)
     return floats * 4 / 2**20

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from labkit import stats
 
 FIGURES = ("accuracy_before", "accuracy_after", "gain", "accuracy_auc", "final_reward",
-           "step_s", "mem_mb", "wall_s")
+           "step_s", "mem_mb", "state_mb", "wall_s")
 """The figures `arm_rows` gives an interval for, where the rows have them."""
 
 
@@ -142,6 +142,17 @@ def grpo_vs_ppo(rows: Sequence[dict], a: str = "grpo", b: str = "ppo") -> list[F
                          f"peak memory, {b} / {a}", stats.ratio_interval(mem_b, mem_a),
                          above=1.0))
     return found
+
+
+def algo_findings(rows: Sequence[dict], base: str = "grpo") -> list[Finding]:
+    """Notebook 01's questions (`grpo_vs_ppo`) of `base` against every other arm, in the
+    order the arms first appear: grpo against ppo, then against dpo, ... ([] without `base`
+    or another arm). Each comparison is its own question at 95%: with several arms, read
+    them as separate answers, not as one family."""
+    arms = list(by_arm(rows))
+    if base not in arms:
+        return []
+    return [f for arm in arms if arm != base for f in grpo_vs_ppo(rows, base, arm)]
 
 
 def group_size_findings(rows: Sequence[dict]) -> list[Finding]:
