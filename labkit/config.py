@@ -225,6 +225,11 @@ class TrainConfig:
     conservative DPO), ipo (length-normalised, as TRL), robust (Chowdhury et al., 2024)."""
     label_smoothing: float = bounded(0.0, ge=0, lt=0.5)
     """DPO: the probability that a pair's preference is flipped (sigmoid and robust)."""
+    dpo_grpo_cosine: bool = False
+    """DPO: log each step the cosine between the DPO gradient on the step's pairs and the
+    GRPO gradient (estimator, agg) on the same rollout, both at the weights before the
+    update (dpo/grpo_cosine; one more backward pass a step). At G=2 the two see the same
+    pair ("GRPO with G=2 is DPO", Wu et al., 2025)."""
     dpo_online: bool = True
     """DPO: sample each step's pairs from the policy as it stands (online DPO); False samples
     them from the starting model (offline: a dataset drawn once from it, each sample used

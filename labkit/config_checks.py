@@ -104,7 +104,7 @@ POLICY_GRADIENT_ONLY = ("beta", "reinforce", "loss", "ratio_level", "dual_clip",
 """Fields only GRPO's and PPO's update reads (its ratio, clip, KL penalty, reward shaping and
 row filters): a DPO or RFT config must leave them at their defaults."""
 
-DPO_ONLY = ("dpo_beta", "dpo_loss", "label_smoothing", "dpo_online")
+DPO_ONLY = ("dpo_beta", "dpo_loss", "label_smoothing", "dpo_online", "dpo_grpo_cosine")
 """Fields only DPO reads."""
 
 

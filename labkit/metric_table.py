@@ -125,6 +125,9 @@ METRICS: dict[str, str] = {
                          "rewards/margins)",
     "dpo/reward_accuracy": "algo dpo: fraction of pairs whose chosen completion has the higher "
                            "implied reward (TRL rewards/accuracies)",
+    "dpo/grpo_cosine": "algo dpo with dpo_grpo_cosine: cosine between the DPO gradient on the "
+                       "step's pairs and the GRPO gradient on the same rollout, before the "
+                       "update",
     "loss/dpo": "algo dpo: the DPO loss of dpo_loss, mean over the pairs",
     "loss/sft": "algo rft: -log-prob of the kept completions' tokens, aggregated by agg",
     "policy/entropy": "mean per-token entropy of the policy over unmasked tokens, in nats",

@@ -150,9 +150,49 @@ def step(config: TrainConfig, learner: Learner, tokenizer, problems: list[Proble
                                      distribution=False)
     if config.dpo_online:
         stats |= stages.kl_k1(batch, ref_logp)
+    if config.dpo_grpo_cosine:  # before the update: both gradients at the same weights
+        stats["dpo/grpo_cosine"] = grpo_cosine(config, learner, batch, rewards, found, ref_logp)
     # 4. the DPO loss on the pairs, minibatch by minibatch
     stats |= update(config, learner, batch, found, ref_logp, step_seed)
     return StepOutput(batch, rewards, A, stats)
+
+
+def grpo_cosine(config: TrainConfig, learner: Learner, batch, rewards: Tensor, found: Pairs,
+                ref_logp: Tensor) -> float:
+    """The cosine between two gradients of the policy's trained weights at its current
+    weights: DPO's loss on the pairs `found`, and GRPO's (the estimator's advantages of
+    `rewards`, -A log pi aggregated by `agg`: the clipped surrogate's gradient at ratio 1,
+    without KL) on the whole rollout. With G=2, GRPO's advantage is +-c on the pair and 0
+    elsewhere; the two then differ only in how they weigh pairs and tokens."""
+    from labkit import losses
+
+    params = [p for group in learner.optimizer.param_groups for p in group["params"]]
+    mask = batch.completion_mask
+    kept, batch.recording = batch.recording, None  # the update may still replay it
+    try:
+        with learner.accelerator.autocast():
+            logp = token_scores(learner.policy, batch, None, temperature=config.temperature,
+                                share_prompt=config.share_prompt,
+                                forward=learner.passes.lm).logp
+    finally:
+        batch.recording = kept
+    A = stages.group_advantages(config, rewards, mask)
+    A_t = A[:, None].expand_as(logp) if A.dim() == 1 else A
+    grpo = losses.aggregate(-A_t * logp, mask, agg=config.agg, max_len=config.max_new_tokens)
+    seq, seq_ref, lengths = (logp * mask).sum(1), (ref_logp * mask).sum(1), mask.sum(1).float()
+    c, r = found.chosen, found.rejected
+    dpo, _, _ = dpo_loss(seq[c], seq[r], seq_ref[c], seq_ref[r], beta=config.dpo_beta,
+                         loss_type=config.dpo_loss, label_smoothing=config.label_smoothing,
+                         chosen_len=lengths[c], rejected_len=lengths[r])
+    ours = torch.autograd.grad(dpo.mean(), params, retain_graph=True, allow_unused=True)
+    theirs = torch.autograd.grad(grpo, params, allow_unused=True)
+
+    def flat(grads) -> Tensor:
+        return torch.cat([(g if g is not None else torch.zeros_like(p)).flatten().double()
+                          for g, p in zip(grads, params)])
+
+    a, b = flat(ours), flat(theirs)
+    return float(a @ b / (a.norm() * b.norm()).clamp(min=1e-30))
 
 
 def update(config: TrainConfig, learner: Learner, batch, found: Pairs, ref_logp: Tensor,

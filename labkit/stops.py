@@ -135,6 +135,7 @@ def never_logged(rule: StopRule, config) -> str | None:
         (m.startswith("value/") or m == "loss/value", c.algo == "ppo", "algo='ppo'"),
         (m == "rollout/kept_frac", c.algo in ("grpo", "rft"), "algo='grpo' or 'rft'"),
         (m.startswith("dpo/") or m == "loss/dpo", c.algo == "dpo", "algo='dpo'"),
+        (m == "dpo/grpo_cosine", c.dpo_grpo_cosine, "dpo_grpo_cosine"),
         (m == "loss/sft", c.algo == "rft", "algo='rft'"),
         (m == "ref/synced", c.ref_sync_every > 0, "ref_sync_every > 0"),
         (m.startswith(("clip/", "ratio/")) or m == "loss/policy", c.algo in ("grpo", "ppo"),

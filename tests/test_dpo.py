@@ -305,3 +305,28 @@ def test_three_steps_match_trls_dpo_trainer_train(think, tmp_path):
     moved = (theirs - start).norm()
     assert moved > 1e-2
     assert (ours - theirs).norm() / moved < 1e-3
+
+
+@pytest.mark.parametrize("agg, parallel", [("token-mean", True), ("seq-mean-token-sum", True),
+                                           ("seq-mean-token-mean", False)])
+def test_at_group_size_two_and_the_start_grpos_gradient_is_dpos(agg, parallel):
+    """With G=2 and the policy still the reference (h = 0, every pair weighted sigmoid(0)),
+    DPO's gradient is c x sum over pairs of grad log pi(y_w) - grad log pi(y_l), and so is
+    GRPO's (advantages +-1/sqrt(2)) when its aggregation weighs every completion's token sum
+    alike: cosine 1. Dividing each completion by its own length (seq-mean-token-mean)
+    weighs the pair's two sides apart where their lengths differ: below 1."""
+    config = TrainConfig(task="think", batch_prompts=16, group_size=2, algo="dpo",
+                         dpo_grpo_cosine=True, agg=agg, eval_n=16, progress=False)
+    metrics = Trainer(config).step(1).metrics
+    assert metrics["dpo/pairs"] >= 3
+    if parallel:
+        assert metrics["dpo/grpo_cosine"] == pytest.approx(1.0, abs=1e-5)
+    else:
+        assert 0.5 < metrics["dpo/grpo_cosine"] < 0.999
+
+
+def test_at_group_size_four_grpo_also_weighs_what_dpo_leaves_unpaired():
+    config = TrainConfig(task="think", batch_prompts=16, group_size=4, algo="dpo",
+                         dpo_grpo_cosine=True, eval_n=16, progress=False)
+    cosine = Trainer(config).step(1).metrics["dpo/grpo_cosine"]
+    assert 0.3 < cosine < 0.999

@@ -287,3 +287,21 @@ def test_a_change_within_each_run_of_one_arm_is_decided_from_the_per_seed_record
     with pytest.raises(ValueError, match=r"must be \[ARM, BASELINE\]"):
         preregistration.check({**result.claim, "preregistered": {
             **result.claim["preregistered"], "measure": "gain", "compare": ["grpo"]}}, "x")
+
+
+def test_a_level_of_one_arm_is_decided_from_its_mean_over_seeds():
+    """Claim 21: the cosine between DPO's and GRPO's gradients, each run's mean over its
+    steps, against the preregistered threshold: the t interval of the mean over seeds."""
+    cosines = [0.97, 0.95, 0.96, 0.98, 0.94]
+    records = [{"sweep_run": "seed=0", "arm": "dpo_g2", "seed": s, "grpo_cosine": c}
+               for s, c in enumerate(cosines)]
+    records.append({"sweep_run": "seed=0", "arm": "grpo_g2", "seed": 0})  # no such figure
+    result = _result({"measure": "update_cosine", "compare": ["dpo_g2"], "direction": "above",
+                      "threshold": 0.9}, [])
+    result.records = records
+    decided = claims.claim_verdict(result)
+    want = stats.mean_interval(cosines, 0.95)
+    assert decided.verdict == stats.SUPPORTED
+    assert f"dpo_g2: grpo_cosine {want.format(2)}" in decided.figure
+    result.claim["preregistered"]["threshold"] = 0.99  # the whole interval lies below
+    assert claims.claim_verdict(result).verdict == stats.REFUTED

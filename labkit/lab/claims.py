@@ -76,7 +76,8 @@ def claim_verdict(result: ClaimResult) -> ClaimVerdict:
     which the stored intervals cannot give."""
     prereg = preregistration.check(result.claim, result.file.name, check_arms=False)
     test = prereg.describe()
-    within = PER_SEED_MEASURES.get(prereg.measure, ("", 0, ""))[2] in ("within", "change")
+    within = PER_SEED_MEASURES.get(prereg.measure, ("", 0, ""))[2] in ("within", "change",
+                                                                         "level")
     if prereg.measure in PER_SEED_MEASURES and (prereg.compare or within) and result.records:
         decided = _from_records(prereg, result.records, result.looks)
         if decided is not None:
@@ -120,11 +121,13 @@ PER_SEED_MEASURES = {"gain": ("gain", 100.0, "difference"),
                      "critic_error_growth": (("credit.critic_err_s3", "credit.critic_err_s1"),
                                              1.0, "within"),
                      "length_change": (("length_final", "length_start"), 1.0, "change"),
-                     "worked_change": (("worked_final", "worked_start"), 1.0, "change")}
+                     "worked_change": (("worked_final", "worked_start"), 1.0, "change"),
+                     "update_cosine": (("grpo_cosine", None), 1.0, "level")}
 """The primary measures a claim's per-seed record decides: measure -> (the record's
 figure, its scale (gain in points), how two arms compare); a "within" measure is the ratio
 of two figures of one run (numerator, denominator), a "change" measure their difference
-(end minus start), over the seeds of the compared arm (or of the record's one arm)."""
+(end minus start), a "level" measure the first figure itself, over the seeds of the
+compared arm (or of the record's one arm)."""
 
 
 def _table(records: list[dict], key: str, scale: float) -> dict[str, dict[int, float]]:
@@ -155,7 +158,7 @@ def _from_records(prereg, records: list[dict], looks: tuple[int, ...] | None = N
     record, read at each look of the claim's plan that its seeds reach and stopped at the
     first decided one; None where the record lacks the compared arms."""
     key, scale, kind = PER_SEED_MEASURES[prereg.measure]
-    if kind in ("within", "change"):
+    if kind in ("within", "change", "level"):
         return _within(prereg, records, *key, looks=looks, change=kind == "change")
     table = _table(records, key, scale)
     base = _arm(table, prereg.compare[1])
@@ -193,13 +196,17 @@ def _within(prereg, records: list[dict], top: str, bottom: str,
             looks: tuple[int, ...] | None = None, change: bool = False
             ) -> tuple[str, str, str] | None:
     """A ratio of two figures of each run (`top` / `bottom`), over seeds: the log-ratio t
-    interval; with `change`, their difference (`top` - `bottom`): the paired t interval; read
-    at the looks of the claim's plan. The arm is the compared one, or the record's only arm;
-    None where the record lacks the figures."""
-    arms = sorted({r["arm"] for r in records if top in r and bottom in r})
+    interval; with `change`, their difference (`top` - `bottom`): the paired t interval;
+    with `bottom` None, `top` itself: the t interval of its mean; read at the looks of the
+    claim's plan. The arm is the compared one, or the record's only arm; None where the
+    record lacks the figures."""
+    def has(r: dict) -> bool:
+        return top in r and (bottom is None or bottom in r)
+
+    arms = sorted({r["arm"] for r in records if has(r)})
     arm = prereg.compare[0] if prereg.compare else (arms[0] if len(arms) == 1 else None)
-    pairs = {r["seed"]: (r[top], r[bottom]) for r in records
-             if r["arm"] == arm and top in r and bottom in r}
+    pairs = {r["seed"]: (r[top], r[bottom] if bottom is not None else None) for r in records
+             if r["arm"] == arm and has(r)}
     if arm is None or not pairs:
         return None
     seeds = sorted(pairs)
@@ -209,10 +216,13 @@ def _within(prereg, records: list[dict], top: str, bottom: str,
                 stats.INCONCLUSIVE, "")
 
     def read(n: int, k: int) -> tuple[str, tuple[str, stats.Interval]]:
-        first = seeds[:n]
+        first, level = seeds[:n], plan.confidence(k, prereg.direction)
+        if bottom is None:
+            interval = stats.mean_interval([pairs[s][0] for s in first], level)
+            return prereg.decide(interval), (f"{arm}: {top.split('.')[-1]} "
+                                             f"{interval.format(2)}", interval)
         compare = stats.paired_interval if change else stats.ratio_interval
-        interval = compare([pairs[s][0] for s in first], [pairs[s][1] for s in first],
-                           plan.confidence(k, prereg.direction))
+        interval = compare([pairs[s][0] for s in first], [pairs[s][1] for s in first], level)
         sign = "-" if change else "/"
         return prereg.decide(interval), (f"{arm}: {top.split('.')[-1]} {sign} "
                                          f"{bottom.split('.')[-1]} {interval.format(2)}",

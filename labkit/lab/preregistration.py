@@ -50,12 +50,15 @@ MEASURES = {
                      "first step's, within each run of the arm, tokens, over seeds",
     "worked_change": "share of completions that work before they answer, last fifth of the "
                      "steps minus the first step, within each run of the arm, over seeds",
+    "update_cosine": "cosine between the DPO and the GRPO gradient on the same rollout, "
+                     "mean over the steps of each run of the arm (dpo_grpo_cosine), over seeds",
     "monitor_youden": "a monitor's sensitivity + specificity - 1 over runs (fired before a "
                       "collapse; stayed quiet on a healthy run)",
 }
 """The primary measures a claim may name, with what each is."""
 
-ONE_ARM = ("grad_rel_var_ratio", "critic_error_growth", "length_change", "worked_change")
+ONE_ARM = ("grad_rel_var_ratio", "critic_error_growth", "length_change", "worked_change",
+           "update_cosine")
 """Measures read within each run of one arm: their `compare` may name that arm alone."""
 
 KEYS = ("article", "measure", "compare", "finding", "direction", "threshold", "margin", "seeds")

@@ -94,7 +94,8 @@ def accuracy_auc(history: Sequence[dict]) -> float | None:
 def summary_rows(results: Mapping[str, RunResult]) -> list[dict]:
     """One row per run (its `arm`, the name without "/seed=s", and its `seed`): accuracy
     before/after and their difference (`gain`), final reward, cost, the mean over steps of
-    KL, entropy, clip fractions, GAV and completion length (`length`; `length_final` over
+    KL, entropy, clip fractions, GAV, DPO's cosine to GRPO's gradient (`grpo_cosine`, with
+    dpo_grpo_cosine) and completion length (`length`; `length_final` over
     the last fifth of the steps, `length_start` the first step's; missing keys left out),
     on an arithmetic task the share of worked completions (`worked_start`, the first
     step's; `worked_final`, over the last fifth) and the length of the right and of the wrong
@@ -121,7 +122,8 @@ def summary_rows(results: Mapping[str, RunResult]) -> list[dict]:
         means = {"kl": "policy/kl", "kl_k1": "policy/kl_k1", "entropy": "policy/entropy",
                  "clip_low": "clip/low", "clip_high": "clip/high", "clip_total": "clip/total",
                  "reuse_clip_total": "reuse/clip_total", "gav": "adv/gav",
-                 "frac_zero_std": "rollout/frac_zero_std", "length": "rollout/length_mean"}
+                 "frac_zero_std": "rollout/frac_zero_std", "length": "rollout/length_mean",
+                 "grpo_cosine": "dpo/grpo_cosine"}
         row |= {k: _mean(_values(h, key)) for k, key in means.items()}
         lengths = _values(h, "rollout/length_mean")
         row["length_final"] = _mean(lengths[-max(1, len(lengths) // 5):])
