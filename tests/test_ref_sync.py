@@ -56,13 +56,14 @@ def test_mix_by_the_formula_and_one_copies(tiny):
     assert all(torch.equal(a, b) for a, b in zip(reference.parameters(), policy.parameters()))
 
 
-def test_a_copying_sync_makes_the_next_steps_kl_vanish(tmp_path):
+@pytest.mark.parametrize("algo", ["grpo", "ppo"])
+def test_a_copying_sync_makes_the_next_steps_kl_vanish(tmp_path, algo):
     """With ref_mix=1 after step 2 the reference is the policy that samples step 3: k1 of the
     sampling log-probs against the reference is 0 up to rounding, where the run without the
-    sync has drifted from its start."""
+    sync has drifted from its start (GRPO's KL in the loss, PPO's in the reward alike)."""
     synced = train(TrainConfig(run_dir=str(tmp_path / "s"), ref_sync_every=2, ref_mix=1.0,
-                               **SMOKE)).history
-    frozen = train(TrainConfig(run_dir=str(tmp_path / "f"), **SMOKE)).history
+                               algo=algo, **SMOKE)).history
+    frozen = train(TrainConfig(run_dir=str(tmp_path / "f"), algo=algo, **SMOKE)).history
     assert [r["ref/synced"] for r in synced[1:]] == [0.0, 1.0, 0.0, 1.0]
     assert "ref/synced" not in frozen[1]
     assert all("policy/kl_k1" in r for r in synced[1:])  # logged on every step, none skipped
