@@ -102,6 +102,19 @@ def test_page_from_finished_runs(finished):
     assert "The whole suite took 1.50 h of wall time (2 sweeps" in text
 
 
+def test_the_claims_of_one_file_share_one_command_line(finished):
+    claims, root, out = finished
+    text = (REPO / "experiments" / "claims" / "17_dpo.yaml").read_text()
+    (claims / "17_dpo.yaml").write_text(text.replace("../../notebooks/",
+                                                     str(REPO / "notebooks") + "/"))
+    findings.write_findings(out, claims, root)
+    page = out.read_text().split("## Commands and compute")[1]
+    lines = [line for line in page.splitlines() if "--only 17_dpo" in line]
+    assert len(lines) == 1 and lines[0].startswith("- claims 17, 18, 19, 20, 21, 22: ")
+    notes = out.read_text().split("## How to read them")[1].split("##")[0]
+    assert notes.count("- claim 17: ") == 1
+
+
 def test_findings_command(finished, capsys):
     claims, root, out = finished
     assert main(["findings", "--claims", str(claims), "--root", str(root),

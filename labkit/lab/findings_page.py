@@ -172,11 +172,11 @@ def render(results: list[ClaimResult], commit: str | None, smoke: bool = False,
               "methods and verdicts, a page per claim file: "
               + ", ".join(f"[{p.removesuffix('.md')}]({figures_dir}/{p})" for p in pages)
               + ".", ""]
-    notes = [r for r in results if r.claim.get("note")]
+    notes = dict.fromkeys((r.claim.get("id", "?"), " ".join(str(r.claim["note"]).split()))
+                          for r in results if r.claim.get("note"))  # a replication's once
     if notes:
         lines += ["", "## How to read them", ""]
-        lines += [f"- claim {r.claim.get('id', '?')}: {' '.join(str(r.claim['note']).split())}"
-                  for r in notes]
+        lines += [f"- claim {claim}: {note}" for claim, note in notes]
     if figures:
         lines += ["", "## Figures", "",
                   "Each finding's effect with its 95% interval (green supported, red refuted, "
@@ -201,14 +201,19 @@ def render(results: list[ClaimResult], commit: str | None, smoke: bool = False,
     if len(shared) == 1:  # one machine for every run: said once
         lines += [f"Every run on {shared.pop()}.", ""]
         places = {k: "" for k in places}
+    runs: dict[tuple, list] = {}  # the claims of one file share its runs: one line for them
     for r in results:
+        runs.setdefault((r.file.stem, r.replication), []).append(r)
+    for (stem, replication), group in runs.items():
+        r = group[0]
+        ids = ", ".join(dict.fromkeys(str(g.claim.get("id", "?")) for g in group))
         hours = r.compute_s / 3600
         made = (f", made at commit{'s' * (len(r.commits) > 1)} {', '.join(sorted(r.commits))}"
                 if r.commits else "")
-        again = " (replication)" if r.replication else ""
+        again = " (replication)" if replication else ""
         where = places[id(r)]
-        lines.append(f"- claim {r.claim.get('id', '?')}{again}: `python -m labkit findings "
-                     f"--all --only {r.file.stem}{flag}`; {r.runs_done} of "
+        lines.append(f"- claim{'s' * (len(group) > 1)} {ids}{again}: `python -m labkit "
+                     f"findings --all --only {stem}{flag}`; {r.runs_done} of "
                      f"{r.runs_total} batches run{made}, {hours:.2f} h of training runs' "
                      f"wall time, {r.elapsed_s / 60:.0f} min elapsed"
                      + (f", on {where}" if where else ""))
