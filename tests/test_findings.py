@@ -111,8 +111,10 @@ def test_the_claims_of_one_file_share_one_command_line(finished):
     page = out.read_text().split("## Commands and compute")[1]
     lines = [line for line in page.splitlines() if "--only 17_dpo" in line]
     assert len(lines) == 1 and lines[0].startswith("- claims 17, 18, 19, 20, 21, 22: ")
-    notes = out.read_text().split("## How to read them")[1].split("##")[0]
-    assert notes.count("- claim 17: ") == 1
+    assert "## How to read them" not in out.read_text()  # on the claim file's own page
+    every = (out.with_suffix("") / "17_dpo.md").read_text()
+    notes = every.split("## How to read them")[1]
+    assert notes.count("- claim 17: ") == 1 and notes.count("- claim 20: ") == 1
 
 
 def test_findings_command(finished, capsys):
@@ -166,7 +168,8 @@ def test_one_sweep_can_answer_several_claims_by_words_or_numbers(finished):
     assert [row["question"] for row in results[7].rows] == ["wide", "wrong label"]
     assert [row["question"] for row in results[8].rows] == ["clear"]
     assert results[8].runs_done == 1
-    assert "- claim 8: read it so" in findings.write_findings(out, claims, root).read_text()
+    findings.write_findings(out, claims, root)
+    assert "- claim 8: read it so" in (out.with_suffix("") / "07_fixture.md").read_text()
     both = text.replace("claims:", "claim: {id: 9}\nclaims:")
     (claims / "07_fixture.yaml").write_text(both)
     with pytest.raises(ValueError, match="not both"):
@@ -180,11 +183,13 @@ def test_figures_are_written_beside_the_page_or_said_missing(finished, monkeypat
         svg = out.parent / "findings" / "07_fixture-claim-7.svg"
         text = svg.read_text()
         assert text.startswith("<svg") and "wrong label: refuted" in text
-        assert "![claim 7 (07_fixture.yaml)](findings/07_fixture-claim-7.svg)" in out.read_text()
+        every = (out.parent / "findings" / "07_fixture.md").read_text()
+        assert "![claim 7 (07_fixture.yaml)](07_fixture-claim-7.svg)" in every
+        assert ".svg" not in out.read_text()  # the figures are on the claim file's page
         assert not (out.parent / "findings" / "01_cost-claim-1.svg").exists()  # no runs
     monkeypatch.setitem(sys.modules, "kaleido", None)  # as if it were not installed
     findings.write_findings(out, claims, root, figures=True)
-    assert "## Figures" not in out.read_text()
+    assert "## Figures" not in (out.parent / "findings" / "07_fixture.md").read_text()
     assert "pip install 'labkit[figures]'" in capsys.readouterr().err
 
 

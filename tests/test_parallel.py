@@ -303,3 +303,23 @@ def test_two_processes_train_as_one_ppo_and_resume(tmp_path):
     _two_processes("--resume", cut)
     _assert_same_run(tmp_path / "two", cut, atol=0)
     assert (cut / "final" / "config.json").is_file()
+
+
+@pytest.mark.parametrize("algo", ["dpo", "rft"])
+def test_two_processes_train_dpo_and_rft_as_one(tmp_path, algo):
+    """DPO and RFT on 2 processes: the rollout and the reference pass are shared out and
+    gathered, and every process runs the whole update on the gathered batch, so the run
+    ends where one process's does (the weights, and every logged figure but timings)."""
+    args = [a for a in RUN[:-2]] + ["--algo", algo, "--batch-prompts", "8"]
+    _two_processes(*args, "--run-dir", tmp_path / "two", launcher="accelerate")
+    given = dict(zip(args[::2], args[1::2]))
+    values = {k[2:].replace("-", "_"): v for k, v in given.items()}
+    types = {"progress": lambda v: v == "true", "lr": float, "algo": str}
+    config = {k: types.get(k, int)(v) for k, v in values.items()}
+    train(TrainConfig(run_dir=str(tmp_path / "one"), threads=1, **config))
+    _assert_same_run(tmp_path / "one", tmp_path / "two", atol=1e-5, rtol=1e-4)
+    start = _state(tmp_path / "two")["policy"]
+    moved = max((start[k] - v).abs().max() for k, v in
+                torch.load(tmp_path / "two" / "checkpoints" / "step_000001.pt",
+                           weights_only=False)["policy"].items())
+    assert moved > 1e-4

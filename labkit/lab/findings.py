@@ -387,10 +387,10 @@ def write_findings(out: str | Path = FINDINGS_PAGE, claims_dir: str | Path = CLA
         except RuntimeError as e:
             print(f"warning: no figures: {e}", file=sys.stderr)
     commit = git_commit()
-    text = render(results, commit, smoke, drawn, out.with_suffix("").name)
+    text = render(results, commit, smoke, out.with_suffix("").name)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text, encoding="utf-8")
     folder.mkdir(parents=True, exist_ok=True)
-    for name, page in render_every(results, commit).items():
+    for name, page in render_every(results, commit, drawn).items():
         (folder / name).write_text(page, encoding="utf-8")
     return out

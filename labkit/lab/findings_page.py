@@ -138,9 +138,9 @@ def write_figures(results: list[ClaimResult], folder: str | Path) -> dict[str, s
 
 
 def render(results: list[ClaimResult], commit: str | None, smoke: bool = False,
-           figures: dict[str, str] | None = None, figures_dir: str = "findings") -> str:
-    """The findings page as markdown; `figures` ({file name: title} of `write_figures`,
-    under `figures_dir`, relative to the page) adds a figure per claim."""
+           figures_dir: str = "findings") -> str:
+    """The findings page as markdown (each claim file's notes and figures are on its own
+    page, `render_every`)."""
     flag = " --smoke" if smoke else ""
     lines = ["# Findings", "",
              "Claims of the source articles and of the field's variants, each run as an "
@@ -172,19 +172,8 @@ def render(results: list[ClaimResult], commit: str | None, smoke: bool = False,
               "methods and verdicts, a page per claim file: "
               + ", ".join(f"[{p.removesuffix('.md')}]({figures_dir}/{p})" for p in pages)
               + ".", ""]
-    notes = dict.fromkeys((r.claim.get("id", "?"), " ".join(str(r.claim["note"]).split()))
-                          for r in results if r.claim.get("note"))  # a replication's once
-    if notes:
-        lines += ["", "## How to read them", ""]
-        lines += [f"- claim {claim}: {note}" for claim, note in notes]
-    if figures:
-        lines += ["", "## Figures", "",
-                  "Each finding's effect with its 95% interval (green supported, red refuted, "
-                  "grey inconclusive) and the threshold the claim needs it to clear (the dark "
-                  "tick).", ""]
-        for name, title in figures.items():
-            lines += [f"### {title[0].upper()}{title[1:]}", "",
-                      f"![{title}]({figures_dir}/{name})", ""]
+    lines += ["Each claim file's page also says how to read its findings (the claims' notes) "
+              "and draws each finding's effect with its interval.", ""]
     lines += ["", "## Commands and compute", ""]
     sweeps = {r.record_name: r.elapsed_s for r in results}  # a file answering two claims ran once
     lines += [f"The whole suite took {sum(sweeps.values()) / 3600:.2f} h of wall time "
@@ -226,16 +215,20 @@ def every_page(result: ClaimResult) -> str:
     return f"{result.file.stem}.md"
 
 
-def render_every(results: list[ClaimResult], commit: str | None) -> dict[str, str]:
-    """Every finding (PAGE_COLUMNS) of each claim file, one markdown table per file: page
-    name -> text."""
+def render_every(results: list[ClaimResult], commit: str | None,
+                 figures: dict[str, str] | None = None) -> dict[str, str]:
+    """Every finding (PAGE_COLUMNS) of each claim file, one markdown table per file, with
+    the claims' notes and their figures (`write_figures`' names, in the page's own
+    folder): page name -> text."""
     files: dict[str, list[ClaimResult]] = {}
     for result in results:
         files.setdefault(every_page(result), []).append(result)
-    return {name: _every_text(name, found, commit) for name, found in files.items()}
+    return {name: _every_text(name, found, commit, figures or {})
+            for name, found in files.items()}
 
 
-def _every_text(name: str, results: list[ClaimResult], commit: str | None) -> str:
+def _every_text(name: str, results: list[ClaimResult], commit: str | None,
+                figures: dict[str, str]) -> str:
     ids = ", ".join(dict.fromkeys(str(r.claim.get("id", "?")) for r in results))
     lines = [f"# Every finding: {name.removesuffix('.md')} (claim {ids})", "",
              "Generated with docs/findings.md by `python -m labkit findings` (at commit "
@@ -247,4 +240,18 @@ def _every_text(name: str, results: list[ClaimResult], commit: str | None) -> st
         cells = [_cell(row["number"] if c == "claim" else row[c]) for c in PAGE_COLUMNS]
         cells[-1] = f"**{cells[-1]}**" if cells[-1] else ""
         lines.append("| " + " | ".join(cells) + " |")
+    notes = dict.fromkeys((r.claim.get("id", "?"), " ".join(str(r.claim["note"]).split()))
+                          for r in results if r.claim.get("note"))  # a replication's once
+    if notes:
+        lines += ["", "## How to read them", ""]
+        lines += [f"- claim {claim}: {note}" for claim, note in notes]
+    drawn = {figure_name(r): figures[figure_name(r)] for r in results
+             if figure_name(r) in figures}
+    if drawn:
+        lines += ["", "## Figures", "",
+                  "Each finding's effect with its 95% interval (green supported, red refuted, "
+                  "grey inconclusive) and the threshold the claim needs it to clear (the dark "
+                  "tick).", ""]
+        for figure, title in drawn.items():
+            lines += [f"### {title[0].upper()}{title[1:]}", "", f"![{title}]({figure})", ""]
     return "\n".join(lines) + "\n"
