@@ -55,6 +55,8 @@ def _companions(name: str, text: str, tmp_path: Path) -> dict[str, str]:
     """The other fields a choice needs to make a valid config (a critic's estimator: PPO)."""
     if name == "estimator" and "values" in ESTIMATORS.needs(text):
         return {"algo": "ppo"}
+    if name == "dpo_loss":  # DPO's own field: another algorithm refuses it
+        return {"algo": "dpo"}
     if name == "task" and text == "gsm8k":
         data = tmp_path / "gsm8k.jsonl"
         data.write_text(json.dumps({"question": "1+1?", "answer": "#### 2"}) + "\n")
