@@ -111,6 +111,9 @@ def test_the_claims_of_one_file_share_one_command_line(finished):
     page = out.read_text().split("## Commands and compute")[1]
     lines = [line for line in page.splitlines() if "--only 17_dpo" in line]
     assert len(lines) == 1 and lines[0].startswith("- claims 17, 18, 19, 20, 21, 22: ")
+    every = (out.with_suffix("") / "17_dpo.md").read_text()  # one row for what they share
+    (row,) = [line for line in every.splitlines() if "not run yet" in line]
+    assert row.startswith("| 17, 18, 19, 20, 21, 22 | not run yet (0 of 1 runs) |")
     assert "## How to read them" not in out.read_text()  # on the claim file's own page
     every = (out.with_suffix("") / "17_dpo.md").read_text()
     notes = every.split("## How to read them")[1]

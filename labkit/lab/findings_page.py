@@ -236,8 +236,12 @@ def _every_text(name: str, results: list[ClaimResult], commit: str | None,
              "claim-level verdict are there. A row's run (in brackets) is the sweep run "
              "that measured it where the claim has several.", "",
              "| " + " | ".join(PAGE_COLUMNS) + " |", "|" + "---|" * len(PAGE_COLUMNS)]
+    merged: dict[tuple, list[str]] = {}  # a finding two claims of the file share: one row
     for row in table_rows(results):
-        cells = [_cell(row["number"] if c == "claim" else row[c]) for c in PAGE_COLUMNS]
+        key = tuple(str(row[c]) for c in PAGE_COLUMNS if c != "claim")
+        merged.setdefault(key, []).append(str(row["number"]))
+    for key, numbers in merged.items():
+        cells = [_cell(", ".join(dict.fromkeys(numbers)))] + [_cell(v) for v in key]
         cells[-1] = f"**{cells[-1]}**" if cells[-1] else ""
         lines.append("| " + " | ".join(cells) + " |")
     notes = dict.fromkeys((r.claim.get("id", "?"), " ".join(str(r.claim["note"]).split()))
