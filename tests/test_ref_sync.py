@@ -9,6 +9,8 @@ import copy
 import pytest
 import torch
 
+from crashes import train_then_crash
+
 from labkit.config import TrainConfig
 from labkit.learner import make_accelerator
 from labkit.stages import mix_into
@@ -91,16 +93,7 @@ def test_resume_restores_the_moved_reference(tmp_path):
     settings = dict(SMOKE, checkpoint_every=2, ref_sync_every=1, ref_mix=0.5, seed=1)
     whole = train(TrainConfig(run_dir=str(tmp_path / "whole"), **settings))
 
-    class Stop(Exception):
-        pass
-
-    def crash_after_step_3(report):
-        if report.step == 3:
-            raise Stop
-
-    with pytest.raises(Stop):
-        train(TrainConfig(run_dir=str(tmp_path / "cut"), **settings),
-              callbacks=[crash_after_step_3])
+    train_then_crash(TrainConfig(run_dir=str(tmp_path / "cut"), **settings), after_step=3)
     resumed = train(resume=tmp_path / "cut")
 
     def comparable(records):

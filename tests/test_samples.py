@@ -7,6 +7,7 @@ import re
 
 import pytest
 import torch
+from crashes import train_then_crash
 
 from labkit import samples
 from labkit.config import TrainConfig
@@ -101,15 +102,7 @@ def test_a_resumed_run_keeps_each_step_once(tmp_path):
     config = TrainConfig(run_dir=str(run), steps=4, rollouts_every=1, rollouts_groups=1,
                          checkpoint_every=2, **SMOKE)
 
-    class Stop(Exception):
-        pass
-
-    def crash_after_step_3(report):
-        if report.step == 3:
-            raise Stop
-
-    with pytest.raises(Stop):
-        train(config, callbacks=[crash_after_step_3])
+    train_then_crash(config, after_step=3)
     assert [r["step"] for r in samples.read(run)] == [1, 2, 3]
     train(resume=run)
     assert [r["step"] for r in samples.read(run)] == [1, 2, 3, 4]

@@ -7,6 +7,7 @@ import shutil
 
 import pytest
 from cli import in_process
+from crashes import train_then_crash
 
 from labkit import trackers
 from labkit.config import TrainConfig
@@ -69,10 +70,6 @@ def _same(expected: dict, got: dict, rel: float) -> None:
             assert got[key][step] == pytest.approx(value, rel=rel, abs=1e-7), (key, step)
 
 
-class Stop(Exception):
-    pass
-
-
 def test_tensorboard_and_mlflow_show_the_curves_of_metrics_jsonl(tmp_path, monkeypatch):
     """A run cut after step 3 (checkpoint at 2) and resumed: each tracker holds every
     metric of metrics.jsonl at every step, once, read back through its own reader; the
@@ -86,12 +83,7 @@ def test_tensorboard_and_mlflow_show_the_curves_of_metrics_jsonl(tmp_path, monke
     config = TrainConfig(run_dir=str(run), report_to="tensorboard,mlflow", checkpoint_every=2,
                          **SMOKE)
 
-    def crash_after_step_3(report):
-        if report.step == 3:
-            raise Stop
-
-    with pytest.raises(Stop):
-        train(config, callbacks=[crash_after_step_3])
+    train_then_crash(config, after_step=3)
     train(resume=run)
     expected = _curves(read_metrics(run / "metrics.jsonl"))
     assert sorted(expected["rollout/reward_mean"]) == [1, 2, 3, 4]

@@ -4,6 +4,7 @@ import math
 import pytest
 import torch
 from cli import fresh_process, in_process
+from crashes import train_then_crash
 
 from labkit.config import TrainConfig
 from labkit.rewards import correctness
@@ -59,22 +60,12 @@ def test_same_seed_same_metrics(tmp_path):
     assert _comparable(a.history)[1:] != _comparable(c.history)[1:]
 
 
-class Stop(Exception):
-    pass
-
-
 @pytest.mark.parametrize("algo", ["grpo", "ppo"])
 def test_resume_continues_like_an_uninterrupted_run(tmp_path, algo):
     settings = dict(SMOKE, steps=4, checkpoint_every=2, algo=algo, seed=1)
     whole = train(TrainConfig(run_dir=str(tmp_path / "whole"), **settings))
 
-    def crash_after_step_3(report):
-        if report.step == 3:
-            raise Stop
-
-    with pytest.raises(Stop):
-        train(TrainConfig(run_dir=str(tmp_path / "cut"), **settings),
-              callbacks=[crash_after_step_3])
+    train_then_crash(TrainConfig(run_dir=str(tmp_path / "cut"), **settings), after_step=3)
     # step 3 was written, but the last checkpoint is step 2: resume redoes step 3
     assert [r["step"] for r in read_metrics(tmp_path / "cut" / "metrics.jsonl")] == [0, 1, 2, 3]
     resumed = train(resume=tmp_path / "cut")
