@@ -197,50 +197,32 @@ def grpo_cosine(config: TrainConfig, learner: Learner, batch, rewards: Tensor, f
 
 def update(config: TrainConfig, learner: Learner, batch, found: Pairs, ref_logp: Tensor,
            step_seed: int) -> dict:
-    """num_iterations passes over the pairs, each split into `minibatches` optimizer steps
-    (fewer when there are fewer pairs) of grad_accum micro-batches; the mean of their
-    stats."""
-    from labkit.update import optimizer_step
+    """The DPO loss over the pairs, num_iterations passes of `minibatches` optimizer steps of
+    grad_accum micro-batches (`labkit.update.plain_update`); the mean of their stats."""
+    from labkit.update import plain_update
 
     mask = batch.completion_mask
     seq_ref = (ref_logp * mask).sum(1)
     lengths = mask.sum(1).to(seq_ref.dtype)
-    generator = torch.Generator().manual_seed(step_seed)
-    n = len(found.chosen)
-    sums, steps = {}, 0
-    for _ in range(config.num_iterations):
-        order = torch.randperm(n, generator=generator)
-        for minibatch in torch.tensor_split(order, min(config.minibatches, n)):
-            stats = {}
-            for micro in torch.tensor_split(minibatch, min(config.grad_accum, len(minibatch))):
-                c, r = found.chosen[micro.to(found.chosen.device)], \
-                    found.rejected[micro.to(found.chosen.device)]
-                rows = torch.cat([c, r])
-                with learner.accelerator.autocast():
-                    scores = token_scores(learner.policy, batch, rows,
-                                          temperature=config.temperature, with_entropy=True,
-                                          share_prompt=config.share_prompt,
-                                          forward=learner.passes.lm)
-                seq = (scores.logp * mask[rows]).sum(1)
-                k = len(c)
-                loss, chosen_reward, rejected_reward = dpo_loss(
-                    seq[:k], seq[k:], seq_ref[c], seq_ref[r], beta=config.dpo_beta,
-                    loss_type=config.dpo_loss, label_smoothing=config.label_smoothing,
-                    chosen_len=lengths[c], rejected_len=lengths[r])
-                if not torch.isfinite(loss).all():
-                    raise FloatingPointError("non-finite DPO loss in the update")
-                share = k / len(minibatch)
-                learner.accelerator.backward(loss.mean() * share)
-                micro_stats = pair_stats(loss.detach(), chosen_reward, rejected_reward) | {
-                    "policy/entropy": masked_mean(scores.entropy, mask[rows])}
-                for key, value in micro_stats.items():
-                    stats[key] = stats.get(key, 0.0) + value * share
-            stats["perf/grad_norm"] = optimizer_step(learner, learner.optimizer,
-                                                     learner.scheduler, config.max_grad_norm)
-            learner.passes.moved(batch)
-            for key, value in stats.items():
-                sums[key] = sums.get(key, 0.0) + value
-            steps += 1
-    out = {key: value / steps for key, value in sums.items()}
-    out["loss/total"] = out["loss/dpo"]
-    return out
+    where = found.chosen.device
+
+    def terms(micro: Tensor, minibatch: Tensor) -> tuple[Tensor, dict]:
+        c, r = found.chosen[micro.to(where)], found.rejected[micro.to(where)]
+        rows = torch.cat([c, r])
+        with learner.accelerator.autocast():
+            scores = token_scores(learner.policy, batch, rows, temperature=config.temperature,
+                                  with_entropy=True, share_prompt=config.share_prompt,
+                                  forward=learner.passes.lm)
+        seq, k = (scores.logp * mask[rows]).sum(1), len(c)
+        loss, chosen_reward, rejected_reward = dpo_loss(
+            seq[:k], seq[k:], seq_ref[c], seq_ref[r], beta=config.dpo_beta,
+            loss_type=config.dpo_loss, label_smoothing=config.label_smoothing,
+            chosen_len=lengths[c], rejected_len=lengths[r])
+        share = k / len(minibatch)
+        stats = pair_stats(loss.detach(), chosen_reward, rejected_reward) | {
+            "policy/entropy": masked_mean(scores.entropy, mask[rows])}
+        return loss.mean() * share, {key: value * share for key, value in stats.items()}
+
+    out = plain_update(config, learner, batch, torch.arange(len(found.chosen)), step_seed,
+                       terms)
+    return out | {"loss/total": out["loss/dpo"]}

@@ -39,7 +39,7 @@ def step(config: TrainConfig, learner: Learner, tokenizer, problems: list[Proble
          step_seed: int, on_rollout=None):
     """One RFT round on `problems`: rollout, reward, keep, supervised update."""
     from labkit.algos import StepOutput
-    from labkit.update import optimizer_step
+    from labkit.update import plain_update
 
     # 1. rollout and reward, as GRPO's
     batch = stages.sample(config, learner, tokenizer, problems, step_seed)
@@ -55,33 +55,16 @@ def step(config: TrainConfig, learner: Learner, tokenizer, problems: list[Proble
         return StepOutput(batch, rewards, weights, stats)
     # 3. supervised steps on them
     mask = batch.completion_mask
-    generator = torch.Generator().manual_seed(step_seed)
-    sums, steps = {}, 0
-    for _ in range(config.num_iterations):
-        order = rows[torch.randperm(len(rows), generator=generator).to(rows.device)]
-        for minibatch in torch.tensor_split(order, min(config.minibatches, len(rows))):
-            step_stats = {}
-            for micro in torch.tensor_split(minibatch, min(config.grad_accum, len(minibatch))):
-                share = losses.accumulation_weight(config.agg, mask, micro, minibatch)
-                with learner.accelerator.autocast():
-                    scores = token_scores(learner.policy, batch, micro,
-                                          temperature=config.temperature, with_entropy=True,
-                                          share_prompt=config.share_prompt,
-                                          forward=learner.passes.lm)
-                loss = sft_loss(scores.logp, mask[micro], config.agg, config.max_new_tokens)
-                if not torch.isfinite(loss):
-                    raise FloatingPointError(f"non-finite loss ({loss.item()}) in the update")
-                learner.accelerator.backward(loss * share)
-                for key, value in {"loss/sft": loss.item(),
-                                   "policy/entropy": masked_mean(scores.entropy, mask[micro])
-                                   }.items():
-                    step_stats[key] = step_stats.get(key, 0.0) + value * share
-            step_stats["perf/grad_norm"] = optimizer_step(learner, learner.optimizer,
-                                                          learner.scheduler,
-                                                          config.max_grad_norm)
-            learner.passes.moved(batch)
-            for key, value in step_stats.items():
-                sums[key] = sums.get(key, 0.0) + value
-            steps += 1
-    out = {key: value / steps for key, value in sums.items()}
+
+    def terms(micro: Tensor, minibatch: Tensor) -> tuple[Tensor, dict]:
+        share = losses.accumulation_weight(config.agg, mask, micro, minibatch)
+        with learner.accelerator.autocast():
+            scores = token_scores(learner.policy, batch, micro, temperature=config.temperature,
+                                  with_entropy=True, share_prompt=config.share_prompt,
+                                  forward=learner.passes.lm)
+        loss = sft_loss(scores.logp, mask[micro], config.agg, config.max_new_tokens)
+        return loss * share, {"loss/sft": loss.item() * share,
+                              "policy/entropy": masked_mean(scores.entropy, mask[micro]) * share}
+
+    out = plain_update(config, learner, batch, rows, step_seed, terms)
     return StepOutput(batch, rewards, weights, stats | out | {"loss/total": out["loss/sft"]})

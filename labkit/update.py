@@ -83,6 +83,31 @@ def micro_batch_plan(config: TrainConfig, rows: Tensor, step_seed: int, processe
             yield pass_index, [m for m in parts if len(m)]
 
 
+def plain_update(config: TrainConfig, learner: Learner, batch: RolloutBatch, units: Tensor,
+                 step_seed: int, terms) -> dict:
+    """The optimizer steps of `micro_batch_plan` over `units` for a loss with no ratio and no
+    critic (DPO's over pairs, RFT's over kept rows), every process running the whole plan:
+    `terms(micro, minibatch)` gives the micro-batch's loss and stats, each already weighted
+    by its share of the minibatch. The mean over the steps of their stats and grad norms."""
+    sums, steps = defaultdict(float), 0
+    for _, micro_batches in micro_batch_plan(config, units, step_seed):
+        minibatch, stats = torch.cat(micro_batches), defaultdict(float)
+        for micro in micro_batches:
+            loss, micro_stats = terms(micro, minibatch)
+            if not torch.isfinite(loss):
+                raise FloatingPointError(f"non-finite loss ({loss.item()}) in the update")
+            learner.accelerator.backward(loss)
+            for key, value in micro_stats.items():
+                stats[key] += value
+        stats["perf/grad_norm"] = optimizer_step(learner, learner.optimizer, learner.scheduler,
+                                                 config.max_grad_norm)
+        learner.passes.moved(batch)  # the policy has moved: what the rollout kept is stale
+        for key, value in stats.items():
+            sums[key] += value
+        steps += 1
+    return {key: value / steps for key, value in sums.items()}
+
+
 def micro_terms(config: TrainConfig, learner: Learner, batch: RolloutBatch, micro: Tensor,
                 minibatch: Tensor, advantages: Tensor, ref_logp: Tensor | None,
                 old_values: Tensor | None, returns: Tensor | None,
