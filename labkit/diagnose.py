@@ -11,8 +11,6 @@ Shapes: B prompts, G completions per prompt, N = B*G rows, T completion tokens.
 
 from __future__ import annotations
 
-import json
-import random
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -21,9 +19,11 @@ from pathlib import Path
 import torch
 
 from labkit.config import TrainConfig
+from labkit.periodic import Periodic
 from labkit.estimator_quality import GROUP_ESTIMATORS, Draw, Sampler, flat_metrics, measure
 from labkit.rewards import REWARDS, check_rewards
 from labkit.rollout import rollout
+from labkit.rundir import read_log
 from labkit.scoring import FAST_PASSES, MODEL_PASSES, token_logprobs, token_values
 
 
@@ -158,45 +158,28 @@ def settings_of(config) -> DiagSettings:
                         samples=config.diag_samples, seed=config.seed)
 
 
-class RunDiagnostics:
+class RunDiagnostics(Periodic):
     """A run's diagnostics every `config.diag_every` steps (and at step 0 and the last step):
     `measure(trainer, step)` returns the flat `diag/...` floats for that step's metrics.jsonl
-    record ({} on other steps) and appends the record to diagnostics.jsonl, flushed.
+    record ({} on other steps) and appends the record to diagnostics.jsonl."""
 
-    The measurement draws from its own seeded generators, and python's and torch's global
-    generator states are restored after it, so a run logs the same training metrics with or
-    without diagnostics."""
+    file = DIAG_FILE
 
     def __init__(self, config, run_dir):
-        self.config = config
-        self.path = Path(run_dir) / DIAG_FILE
+        super().__init__(config, run_dir)
         self.settings = settings_of(config) if config.diag_every else None
 
     def due(self, step: int) -> bool:
         every = self.config.diag_every
         return bool(every) and (step % every == 0 or step == self.config.steps)
 
-    def measure(self, trainer, step: int) -> dict[str, float]:
-        if not self.due(step):
-            return {}
-        state = random.getstate()
-        cuda = [trainer.device] if trainer.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=cuda):
-            flat, record = diagnose_trainer(trainer, self.settings, step)
-        random.setstate(state)
-        with self.path.open("a", encoding="utf-8") as f:
-            f.write(json.dumps(record) + "\n")
-            f.flush()
-        return flat
+    def take(self, trainer, step: int) -> tuple[dict[str, float], dict]:
+        return diagnose_trainer(trainer, self.settings, step)
 
 
 def read_diagnostics(run_dir) -> list[dict]:
     """The records of a run's diagnostics.jsonl, in order (none when it has none)."""
-    path = Path(run_dir) / DIAG_FILE
-    if not path.is_file():
-        return []
-    lines = path.read_text(encoding="utf-8").splitlines()
-    return [json.loads(line) for line in lines if line.strip()]
+    return read_log(Path(run_dir) / DIAG_FILE)
 
 
 def table(record: dict) -> str:

@@ -1,13 +1,13 @@
-"""Run directories: config.json, metrics.jsonl flushed each step, atomic checkpoints.
+"""Run directories: config.json, the JSONL logs flushed each step, atomic checkpoints.
 
 A run directory is claimed exclusively: a run holds an advisory lock on its `.lock` file
 for as long as it writes there (`RunLock`), so two runs, or a run and its own resume, never
 write into one folder at once; the operating system drops the lock when the process dies,
-even by SIGKILL, so a crashed run can always be resumed. Every metrics line is written
-whole by one `write` and flushed to disk before the next step starts, and a checkpoint is
-written to a temporary file, synced and renamed into place, so a run killed at any moment
-leaves a valid metrics.jsonl (at worst a torn last line, which readers drop) and a loadable
-last checkpoint.
+even by SIGKILL, so a crashed run can always be resumed. Every log line is written
+whole by one `write` and flushed to disk before the next step starts (`Log`, the one writer
+of every log), and a checkpoint is written to a temporary file, synced and renamed into
+place, so a run killed at any moment leaves valid logs (at worst a torn last line, which
+`read_log` drops) and a loadable last checkpoint.
 """
 
 from __future__ import annotations
@@ -181,21 +181,27 @@ def read_config(run_dir: str | Path) -> dict:
     return config
 
 
-class MetricsWriter:
-    """Appends one JSON object per line to metrics.jsonl: each line is one `os.write` of the
-    whole encoded line on an O_APPEND file, then fsync, so no line is ever interleaved with
-    buffered leftovers, and a step's record is on disk before the next step starts. A kill
-    in the middle of a write (possible for lines longer than a page), a full disk or a power
-    cut can still tear the last line: `read_metrics` and `truncate_metrics` drop it."""
+class Log:
+    """One of a run's JSONL logs (metrics.jsonl, rollouts.jsonl, diagnostics.jsonl,
+    credit.jsonl, and any later one): one JSON object per line, each with its `step`.
 
-    def __init__(self, path: Path):
+    Each record is one `os.write` of the whole encoded line on an O_APPEND file, then fsync,
+    so no line is interleaved with buffered leftovers and a step's record is on disk before
+    the next step starts. The file is opened on the first write (a log that is never written
+    leaves no file). A kill in the middle of a write (possible for lines longer than a page),
+    a full disk or a power cut can still tear the last line: `read_log` drops it, and a
+    resume cuts every log of the run back to its checkpoint (`cut_logs`)."""
+
+    def __init__(self, path: str | Path):
         self.path = Path(path)
-        self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self._fd: int | None = None
 
-    def write(self, record: dict) -> None:
-        data = (json.dumps(record, allow_nan=True) + "\n").encode("utf-8")
+    def write(self, *records: dict) -> None:
+        if self._fd is None:
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        data = "".join(json.dumps(r, allow_nan=True) + "\n" for r in records).encode("utf-8")
         written = os.write(self._fd, data)
-        while written < len(data):  # a short write (disk full, signal): finish the line
+        while written < len(data):  # a short write (disk full, signal): finish the lines
             written += os.write(self._fd, data[written:])
         os.fsync(self._fd)
 
@@ -205,9 +211,9 @@ class MetricsWriter:
             self._fd = None
 
 
-def read_metrics(path: str | Path) -> list[dict]:
-    """The records of a metrics.jsonl; a torn last line (a crash mid-write) is left out, and
-    so is everything after a torn line (a file appended to without `truncate_metrics`)."""
+def read_log(path: str | Path) -> list[dict]:
+    """The records of a JSONL log; a torn last line (a crash mid-write) is left out, and so
+    is everything after a torn line (a file appended to without `cut_logs`)."""
     records = []
     path = Path(path)
     if not path.is_file():
@@ -225,11 +231,20 @@ def read_metrics(path: str | Path) -> list[dict]:
     return records
 
 
-def truncate_metrics(path: Path, last_step: int) -> None:
-    """Keep the whole records up to `last_step` (a resumed run rewrites the steps after it,
-    and a torn last line goes), replacing the file atomically."""
-    kept = [r for r in read_metrics(path) if r.get("step", 0) <= last_step]
-    _write_atomic(Path(path), "".join(json.dumps(r) + "\n" for r in kept))
+def cut_log(path: str | Path, last_step: int) -> None:
+    """Keep the whole records of steps <= `last_step` (a resumed run writes the steps after
+    it again, and a torn last line goes), replacing the file atomically."""
+    kept = [r for r in read_log(path) if r.get("step", 0) <= last_step]
+    _write_atomic(Path(path), "".join(json.dumps(r, allow_nan=True) + "\n" for r in kept))
+
+
+def cut_logs(run_dir: str | Path, last_step: int) -> list[Path]:
+    """Cut every JSONL log of the run back to `last_step` (-1: to nothing, a run killed
+    before its first checkpoint); the logs it cut."""
+    found = sorted(Path(run_dir).glob("*.jsonl"))
+    for path in found:
+        cut_log(path, last_step)
+    return found
 
 
 def rng_state() -> dict:

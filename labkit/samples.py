@@ -13,12 +13,13 @@ after the update), on the steps that keep a sample.
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 import torch
 from torch import Tensor
+
+from labkit.rundir import read_log
 
 FILE = "rollouts.jsonl"
 
@@ -96,33 +97,10 @@ def records(step: int, problems, batch, rewards: Tensor, advantages: Tensor, vie
     return out
 
 
-def append(run_dir: Path, lines: list[dict]) -> None:
-    with open(Path(run_dir) / FILE, "a", encoding="utf-8") as f:
-        for line in lines:
-            f.write(json.dumps(line) + "\n")
-        f.flush()
-
-
 def read(run_dir: str | Path) -> list[dict]:
-    """The kept groups of a run (whole lines; a torn last line is skipped)."""
-    path = Path(run_dir) / FILE
-    if not path.is_file():
-        return []
-    out = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue
-    return out
-
-
-def truncate(run_dir: Path, last_step: int) -> None:
-    """Keep the lines of steps <= last_step (a resumed run writes the later ones again)."""
-    path = Path(run_dir) / FILE
-    if path.is_file():
-        kept = [r for r in read(run_dir) if r.get("step", 0) <= last_step]
-        path.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
+    """The kept groups of a run (whole lines; a torn last line is skipped). The trainer writes
+    them through `rundir.Log`, and a resume cuts them back with the run's other logs."""
+    return read_log(Path(run_dir) / FILE)
 
 
 def first_and_last(run_dir: str | Path) -> list[dict]:

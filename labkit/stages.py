@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from labkit import estimators as est
-from labkit import losses, mismatch, parallel, reward_expr
+from labkit import credit, losses, mismatch, parallel, reward_expr
 from labkit.config import TrainConfig
 from labkit.learner import Learner
 from labkit.metrics import masked_mean
@@ -118,8 +118,6 @@ def estimator_extras(config: TrainConfig, learner: Learner, tokenizer,
             scores = scores.masked_fill(greedy.truncated, 0.0)
         out["greedy_rewards"] = scores.repeat_interleave(G)  # (N,)
     if "mc_values" in needs:
-        from labkit import credit
-
         policy = learner.accelerator.unwrap_model(learner.policy)
         lengths = batch.completion_mask.sum(1).tolist()
         starts = [[0] + [t for t in ends if t < n]

@@ -29,7 +29,7 @@ from labkit import metrics as M
 from labkit.advantages import NonFiniteError
 from labkit.config import TrainConfig
 from labkit.preflight import preflight
-from labkit.credit import RunCredit
+from labkit.microscope import RunCredit
 from labkit.diagnose import RunDiagnostics
 from labkit.evaluation import run_eval
 from labkit.learner import (Learner, build_learner, learner_state, machine, make_accelerator,
@@ -42,6 +42,7 @@ from labkit.tasks import ARITHMETIC, Problem, ProblemSource
 from labkit.trackers import Trackers
 
 STOPPED = "stopped.json"
+METRICS = "metrics.jsonl"
 """Written into the run directory when a stop rule ends the run: the rule, step and value."""
 
 
@@ -279,41 +280,47 @@ def _stop_message(run_dir: Path) -> str:
 
 
 class _RunLog:
-    """metrics.jsonl as a run writes it: every record so far (those of the run it resumes
-    too), the stop rules' and the dead-run watch's verdicts on them, and the held-out
-    accuracies among them."""
+    """A run's logs as it writes them, each through `rundir.Log`: metrics.jsonl (every record
+    so far, those of the run it resumes too, with the stop rules' and the dead-run watch's
+    verdicts on them and the held-out accuracies among them), rollouts.jsonl (`samples`),
+    diagnostics.jsonl and credit.jsonl (the periodic probes)."""
 
-    def __init__(self, config: TrainConfig, path: Path):
-        self.records = rundir.read_metrics(path)
+    def __init__(self, config: TrainConfig, run_dir: Path):
+        path = run_dir / METRICS
+        self.records = rundir.read_log(path)
         self.accuracy = [r["eval/accuracy"] for r in self.records if "eval/accuracy" in r]
         self.watch = stops.RunWatch(config)
         self.stopped: stops.Stop | stops.Dead | None = None
         for record in self.records:  # a resumed run follows the same streaks as an uninterrupted one
             self.judge(record)
-        self.writer = rundir.MetricsWriter(path)
-        self.diag = RunDiagnostics(config, path.parent)  # diag_every: diagnostics.jsonl
-        self.credit = RunCredit(config, path.parent)  # credit_every: credit.jsonl
+        self.metrics = rundir.Log(path)
+        self.rollouts = rundir.Log(run_dir / samples.FILE)  # rollouts_every
+        self.diag = RunDiagnostics(config, run_dir)  # diag_every: diagnostics.jsonl
+        self.credit = RunCredit(config, run_dir)  # credit_every: credit.jsonl
         # report_to: views of the same records (a resumed run's from its checkpoint on)
-        self.trackers = Trackers(config.report_to, path.parent, config.to_dict(), self.records)
+        self.trackers = Trackers(config.report_to, run_dir, config.to_dict(), self.records)
 
     def judge(self, record: dict) -> stops.Stop | stops.Dead | None:
         self.stopped = self.watch.update(record)
         return self.stopped
 
     def write(self, record: dict) -> None:
-        self.writer.write(record)
+        self.metrics.write(record)
         self.trackers.log(record)
         self.records.append(record)
         if "eval/accuracy" in record:
             self.accuracy.append(record["eval/accuracy"])
 
+    def close(self) -> None:
+        for log in (self.metrics, self.rollouts, self.diag, self.credit, self.trackers):
+            log.close()
+
 
 def _train(trainer: Trainer, run_dir: Path, resuming: bool,
            callbacks: Sequence[Callable[[StepReport], None]], start_time: float) -> RunResult:
     config = trainer.config
-    metrics_path = run_dir / "metrics.jsonl"
-    first = _resume_point(trainer.learner, run_dir, metrics_path) if resuming else 1
-    log = _RunLog(config, metrics_path)
+    first = _resume_point(trainer.learner, run_dir) if resuming else 1
+    log = _RunLog(config, run_dir)
     try:
         if first == 1:
             record = {"step": 0, **trainer.evaluate(), **log.diag.measure(trainer, 0)}
@@ -321,8 +328,7 @@ def _train(trainer: Trainer, run_dir: Path, resuming: bool,
             log.judge(record)
         _run_steps(trainer, log, first, run_dir, callbacks)
     finally:
-        log.writer.close()
-        log.trackers.close()
+        log.close()
     stopped, accuracy = log.stopped, log.accuracy
     last = stopped.step if stopped is not None else config.steps
     _finish(run_dir, trainer.learner, trainer.policy, trainer.tokenizer, last, stopped,
@@ -341,7 +347,7 @@ def _follow(trainer: Trainer, run_dir: Path, resuming: bool) -> RunResult:
     the main process's RunResult."""
     acc = trainer.accelerator
     if resuming:
-        _resume_point(trainer.learner, run_dir, None, main=False)
+        _resume_point(trainer.learner, run_dir, main=False)
     for step in parallel.broadcast(None, acc):  # the steps the main process runs
         try:
             trainer.step(step)
@@ -376,7 +382,7 @@ def _run_steps(trainer: Trainer, log: _RunLog, first: int, run_dir: Path,
                 record |= trainer.evaluate()
             log.write(record)
             if result.view is not None:  # rollouts_every: the kept groups, token by token
-                samples.append(run_dir, samples.records(
+                log.rollouts.write(*samples.records(
                     step, trainer.problems.draw(result.seed), result.batch, result.rewards,
                     result.advantages, result.view, trainer.tokenizer))
             if log.watch.found is not None:
@@ -407,24 +413,21 @@ def _say_dead(run_dir: Path, bar, dead: stops.Dead, stopping: bool) -> None:
                    file=sys.stderr)
 
 
-def _resume_point(learner: Learner, run_dir: Path, metrics_path: Path | None,
-                  main: bool = True) -> int:
-    """Restore the latest checkpoint and cut metrics.jsonl back to it; the first step to run.
-    The records after the checkpoint (and a torn last line) go: those steps run again. On
-    several processes every one restores the checkpoint the main one found, and only the
-    main one cuts the records."""
+def _resume_point(learner: Learner, run_dir: Path, main: bool = True) -> int:
+    """Restore the latest checkpoint and cut every log of the run back to it
+    (`rundir.cut_logs`); the first step to run. The records after the checkpoint (and a torn
+    last line) go: those steps run again. On several processes every one restores the
+    checkpoint the main one found, and only the main one cuts the logs."""
     found = rundir.latest_checkpoint(run_dir) if main else None
     checkpoint = parallel.broadcast(found, learner.accelerator)
     if checkpoint is None:  # killed before its first checkpoint: start over
         if main:
-            rundir.truncate_metrics(metrics_path, -1)
-            samples.truncate(run_dir, 0)
+            rundir.cut_logs(run_dir, -1)
         return 1
     state = rundir.load_checkpoint(checkpoint)
     restore_learner(learner, state)
     if main:
-        rundir.truncate_metrics(metrics_path, state["step"])
-        samples.truncate(run_dir, state["step"])
+        rundir.cut_logs(run_dir, state["step"])
     return state["step"] + 1
 
 

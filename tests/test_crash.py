@@ -18,8 +18,8 @@ import yaml
 
 from labkit import rundir
 from labkit.config import TrainConfig
-from labkit.rundir import (MetricsWriter, RunDirBusy, RunLock, claim_run_dir, latest_checkpoint,
-                         load_checkpoint, read_metrics, save_checkpoint, truncate_metrics)
+from labkit.rundir import (Log, RunDirBusy, RunLock, claim_run_dir, latest_checkpoint,
+                         load_checkpoint, read_log, save_checkpoint, cut_log)
 
 HERE = Path(__file__).resolve().parent
 TINY = HERE / "fixtures" / "tiny.ipynb"
@@ -90,7 +90,7 @@ def test_sigkill_mid_run_then_resume_finishes_every_step(tmp_path):
     assert third.wait(timeout=600) == 0, (tmp_path / "third.err").read_text()
     summary = json.loads((tmp_path / "third.out").read_text().strip().splitlines()[-1])
     assert summary["steps"] == STEPS and summary["stopped"] is None
-    records = read_metrics(run_dir / "metrics.jsonl")
+    records = read_log(run_dir / "metrics.jsonl")
     assert [r["step"] for r in records] == list(range(STEPS + 1))
     assert load_checkpoint(latest_checkpoint(run_dir))["step"] == STEPS
     assert (run_dir / "final" / "config.json").is_file()
@@ -102,10 +102,10 @@ def test_a_torn_last_line_is_dropped_and_cut_off_on_resume(tmp_path):
     path = tmp_path / "metrics.jsonl"
     whole = "".join(json.dumps({"step": s, "x": s / 3}) + "\n" for s in range(3))
     path.write_text(whole + '{"step": 3, "x": 0.33')  # a power cut inside the fourth line
-    assert [r["step"] for r in read_metrics(path)] == [0, 1, 2]
-    truncate_metrics(path, 10)
+    assert [r["step"] for r in read_log(path)] == [0, 1, 2]
+    cut_log(path, 10)
     assert path.read_text() == whole  # the whole lines, the torn one gone
-    writer = MetricsWriter(path)
+    writer = Log(path)
     writer.write({"step": 3, "x": 1.0})
     writer.close()
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [0, 1, 2, 3]
@@ -114,7 +114,7 @@ def test_a_torn_last_line_is_dropped_and_cut_off_on_resume(tmp_path):
 def test_each_record_is_one_write_of_a_whole_line_then_synced(tmp_path, monkeypatch):
     real_write, real_fsync = os.write, os.fsync
     chunks, synced = [], []
-    writer = MetricsWriter(tmp_path / "metrics.jsonl")
+    writer = Log(tmp_path / "metrics.jsonl")
     monkeypatch.setattr(rundir.os, "write", lambda fd, data: (
         chunks.append(bytes(data)) if fd == writer._fd else None, real_write(fd, data))[1])
     monkeypatch.setattr(rundir.os, "fsync", lambda fd: (synced.append(fd), real_fsync(fd))[1])

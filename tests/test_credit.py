@@ -144,7 +144,7 @@ def test_step_ends_mark_the_prefix_after_each_written_step():
 
 def test_a_look_at_a_ppo_trainer_compares_critic_gae_and_grpo_with_monte_carlo():
     from labkit.config import TrainConfig
-    from labkit.credit import look
+    from labkit.microscope import look
     from labkit.tasks import ArithmeticTask
     from labkit.trainer import Trainer
     from labkit.zoo import build_tokenizer
@@ -170,7 +170,7 @@ def test_a_look_at_a_ppo_trainer_compares_critic_gae_and_grpo_with_monte_carlo()
 
 def test_a_run_with_credit_every_logs_its_looks_and_trains_as_without(tmp_path):
     from labkit.config import TrainConfig
-    from labkit.credit import read_credit
+    from labkit.microscope import read_credit
     from labkit.lab import summary_rows
     from labkit.trainer import train
 
@@ -230,7 +230,7 @@ def test_a_look_gives_gae_in_the_rewards_units_not_whitened():
     """GAE with lambda = gamma = 1 and no KL telescopes: on each row its advantage at token t
     is r - V(s_t), whatever the whitening PPO applies later."""
     from labkit.config import TrainConfig
-    from labkit.credit import look
+    from labkit.microscope import look
     from labkit.tasks import ArithmeticTask
     from labkit.trainer import Trainer
 

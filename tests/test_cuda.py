@@ -69,7 +69,7 @@ def test_greedy_rollout_matches_generate_on_cuda(on_cuda):
 @pytest.mark.parametrize("algo", ["grpo", "ppo"])
 def test_a_short_bf16_run_trains_on_cuda(tmp_path, algo):
     from labkit.config import TrainConfig
-    from labkit.rundir import read_metrics
+    from labkit.rundir import read_log
     from labkit.trainer import train
 
     result = train(TrainConfig(algo=algo, device="cuda", precision="bf16", beta=0.04, steps=3,
@@ -79,7 +79,7 @@ def test_a_short_bf16_run_trains_on_cuda(tmp_path, algo):
     config = json.loads((result.run_dir / "config.json").read_text())
     assert config["machine"]["device"].startswith("cuda")
     assert config["machine"]["precision"] == "bf16"
-    steps = [r for r in read_metrics(result.run_dir / "metrics.jsonl") if "loss/total" in r]
+    steps = [r for r in read_log(result.run_dir / "metrics.jsonl") if "loss/total" in r]
     assert len(steps) == 3 and all(math.isfinite(r["loss/total"]) for r in steps)
 
 

@@ -204,14 +204,14 @@ def test_a_step_that_would_not_fit_is_refused_before_any_model_runs():
 
 @pytest.mark.parametrize("algo", ["grpo", "ppo"])
 def test_a_run_with_the_exact_kl_logs_it_and_moves_beta(tmp_path, algo):
-    from labkit.rundir import read_metrics
+    from labkit.rundir import read_log
     from labkit.trainer import train
 
     config = TrainConfig(algo=algo, kl_kind="full", beta=0.05, kl_target=0.001, kl_horizon=10,
                          steps=3, batch_prompts=4, group_size=4, max_new_tokens=12, lr=5e-3,
                          eval_every=1000, eval_n=4, eval_samples=0, cgc_prompts=0,
                          progress=False, run_dir=str(tmp_path / algo))
-    records = [r for r in read_metrics(train(config).run_dir / "metrics.jsonl")
+    records = [r for r in read_log(train(config).run_dir / "metrics.jsonl")
                if "policy/kl" in r]
     assert len(records) == 3
     assert all(math.isfinite(r["policy/kl"]) and r["policy/kl"] > -1e-6 for r in records)

@@ -275,7 +275,7 @@ def test_a_nan_reward_stops_the_run_with_one_line_and_a_resumable_checkpoint(
     of step 1 is there, and a resume finishes the run."""
     import labkit.reward_expr
     from labkit.__main__ import main
-    from labkit.rundir import latest_checkpoint, load_checkpoint, read_metrics
+    from labkit.rundir import latest_checkpoint, load_checkpoint, read_log
     from labkit.trainer import train
 
     calls = []
@@ -298,7 +298,7 @@ def test_a_nan_reward_stops_the_run_with_one_line_and_a_resumable_checkpoint(
     assert "reward function correctness" in errors[0] and "nan" in errors[0]
     assert "step_000001.pt" in errors[0]
     assert load_checkpoint(latest_checkpoint(run_dir))["step"] == 1
-    assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")] == [0, 1]
+    assert [r["step"] for r in read_log(run_dir / "metrics.jsonl")] == [0, 1]
     monkeypatch.undo()
     resumed = train(resume=run_dir)
     assert [r["step"] for r in resumed.history] == [0, 1, 2, 3]

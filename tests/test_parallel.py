@@ -15,7 +15,7 @@ from labkit import parallel
 from labkit.update import micro_batch_plan
 from labkit.config import TrainConfig
 from labkit.rollout import rollout
-from labkit.rundir import latest_checkpoint, read_metrics
+from labkit.rundir import latest_checkpoint, read_log
 from labkit.trainer import train
 
 REPO = Path(__file__).resolve().parents[1]
@@ -78,7 +78,7 @@ def _assert_same_run(one: Path, two: Path, atol: float, rtol: float = 0.0) -> No
         for key in a.get(part, {}):
             torch.testing.assert_close(a[part][key], b[part][key], atol=atol, rtol=rtol,
                                        msg=f"{part}.{key}")
-    ra, rb = read_metrics(one / "metrics.jsonl"), read_metrics(two / "metrics.jsonl")
+    ra, rb = read_log(one / "metrics.jsonl"), read_log(two / "metrics.jsonl")
     assert [r["step"] for r in ra] == [r["step"] for r in rb]
     for x, y in zip(ra, rb):
         assert x.keys() == y.keys()
@@ -299,7 +299,7 @@ def test_two_processes_train_as_one_ppo_and_resume(tmp_path):
     shutil.copytree(tmp_path / "two", cut)
     (cut / "checkpoints" / "step_000003.pt").unlink()
     shutil.rmtree(cut / "final")
-    assert [r["step"] for r in read_metrics(cut / "metrics.jsonl")] == [0, 1, 2, 3]
+    assert [r["step"] for r in read_log(cut / "metrics.jsonl")] == [0, 1, 2, 3]
     _two_processes("--resume", cut)
     _assert_same_run(tmp_path / "two", cut, atol=0)
     assert (cut / "final" / "config.json").is_file()

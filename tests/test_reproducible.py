@@ -7,7 +7,7 @@ import torch
 
 from labkit.config import TrainConfig
 from labkit.reproducible import select_rows
-from labkit.rundir import read_metrics
+from labkit.rundir import read_log
 from labkit.trainer import train
 
 
@@ -79,7 +79,7 @@ def test_select_rows_gradient_of_a_strided_upstream_adds_in_index_order():
 
 def _metrics(run_dir):
     return [{k: v for k, v in r.items() if not k.startswith("perf/")}
-            for r in read_metrics(run_dir / "metrics.jsonl")]
+            for r in read_log(run_dir / "metrics.jsonl")]
 
 
 @pytest.mark.parametrize("algo", ["grpo", "ppo"])

@@ -12,6 +12,7 @@ from crashes import train_then_crash
 from labkit import samples
 from labkit.config import TrainConfig
 from labkit.lab import plots
+from labkit.rundir import Log
 from labkit.trainer import Trainer, step_seed, train
 
 SMOKE = dict(batch_prompts=4, group_size=4, max_new_tokens=12, eval_every=100, eval_n=8,
@@ -138,7 +139,9 @@ def test_the_view_colours_each_token_and_switches_without_a_script():
 
 
 def test_the_rollouts_file_is_read_whole_lines_only(tmp_path):
-    samples.append(tmp_path, [_line(1, 0, [0.0], [0.0], [1.0], tokens=("x",))])
+    log = Log(tmp_path / samples.FILE)
+    log.write(_line(1, 0, [0.0], [0.0], [1.0], tokens=("x",)))
+    log.close()
     with open(tmp_path / samples.FILE, "a") as f:
         f.write(json.dumps(_line(2, 0, [0.0], [0.0], [1.0]))[:40])  # a torn last line
     assert [r["step"] for r in samples.read(tmp_path)] == [1]

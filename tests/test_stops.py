@@ -7,7 +7,7 @@ import math
 import pytest
 
 from labkit.config import TrainConfig
-from labkit.rundir import latest_checkpoint, load_checkpoint, read_metrics
+from labkit.rundir import latest_checkpoint, load_checkpoint, read_log
 from labkit.stops import DEAD_TRUNCATED, DeadRunWatch, StopRule, StopRules, parse
 from labkit.trainer import STOPPED, train
 
@@ -100,7 +100,7 @@ def test_a_rule_that_always_holds_stops_the_run_after_exactly_n_steps(tmp_path, 
     assert summary["steps"] == 2
     assert "adv/gav>=0 for 2" in summary["stopped"] and "step 2" in summary["stopped"]
     assert summary["stopped"] in err  # said where the user looks, not only in the summary
-    records = read_metrics(run_dir / "metrics.jsonl")
+    records = read_log(run_dir / "metrics.jsonl")
     assert [r["step"] for r in records] == [0, 1, 2]
     assert "eval/accuracy" in records[-1]  # a stopped run ends with an evaluation
     checkpoint = latest_checkpoint(run_dir)
@@ -141,7 +141,7 @@ def test_a_resumed_run_keeps_its_streaks(tmp_path):
     assert latest_checkpoint(tmp_path / "cut").name == "step_000001.pt"
     resumed = train(resume=tmp_path / "cut")
     assert resumed.steps == 3 and "step 3" in resumed.stopped
-    assert [r["step"] for r in read_metrics(tmp_path / "cut" / "metrics.jsonl")] == [0, 1, 2, 3]
+    assert [r["step"] for r in read_log(tmp_path / "cut" / "metrics.jsonl")] == [0, 1, 2, 3]
 
 
 # --- clip rules ------------------------------------------------------------------------------

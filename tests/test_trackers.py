@@ -11,7 +11,7 @@ from crashes import train_then_crash
 
 from labkit import trackers
 from labkit.config import TrainConfig
-from labkit.rundir import read_metrics
+from labkit.rundir import read_log
 from labkit.trainer import train
 
 SMOKE = dict(steps=4, batch_prompts=4, group_size=4, max_new_tokens=12, eval_every=2,
@@ -85,7 +85,7 @@ def test_tensorboard_and_mlflow_show_the_curves_of_metrics_jsonl(tmp_path, monke
 
     train_then_crash(config, after_step=3)
     train(resume=run)
-    expected = _curves(read_metrics(run / "metrics.jsonl"))
+    expected = _curves(read_log(run / "metrics.jsonl"))
     assert sorted(expected["rollout/reward_mean"]) == [1, 2, 3, 4]
     # TensorBoard stores float32
     _same(expected, _tensorboard_curves(run / "tensorboard"), rel=1e-6)
@@ -120,7 +120,7 @@ def test_a_tracker_that_fails_mid_run_is_dropped_and_the_run_goes_on(tmp_path, c
     result = train(TrainConfig(run_dir=str(run), report_to="tensorboard", **SMOKE),
                    callbacks=[remove_its_folder])
     assert [r["step"] for r in result.history] == [0, 1, 2, 3, 4]
-    assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [0, 1, 2, 3, 4]
+    assert [r["step"] for r in read_log(run / "metrics.jsonl")] == [0, 1, 2, 3, 4]
     warnings = [line for line in capsys.readouterr().err.splitlines()
                 if line.startswith("warning: report_to tensorboard failed")]
     assert len(warnings) == 1 and "is gone" in warnings[0]  # said once, not every step

@@ -8,7 +8,7 @@ from crashes import train_then_crash
 
 from labkit.config import TrainConfig
 from labkit.rewards import correctness
-from labkit.rundir import latest_checkpoint, read_metrics
+from labkit.rundir import latest_checkpoint, read_log
 from labkit.learner import make_accelerator
 from labkit.trainer import train
 
@@ -27,7 +27,7 @@ def test_smoke_run_writes_a_complete_run_directory(tmp_path, algo):
     config = TrainConfig(algo=algo, run_dir=str(tmp_path / "run"), **SMOKE)
     result = train(config)
     run = result.run_dir
-    records = read_metrics(run / "metrics.jsonl")
+    records = read_log(run / "metrics.jsonl")
     assert [r["step"] for r in records] == [0, 1, 2, 3]
     for r in records[1:]:
         for key in ("rollout/reward_mean", "rollout/frac_zero_std", "adv/gav", "adv/std",
@@ -67,10 +67,10 @@ def test_resume_continues_like_an_uninterrupted_run(tmp_path, algo):
 
     train_then_crash(TrainConfig(run_dir=str(tmp_path / "cut"), **settings), after_step=3)
     # step 3 was written, but the last checkpoint is step 2: resume redoes step 3
-    assert [r["step"] for r in read_metrics(tmp_path / "cut" / "metrics.jsonl")] == [0, 1, 2, 3]
+    assert [r["step"] for r in read_log(tmp_path / "cut" / "metrics.jsonl")] == [0, 1, 2, 3]
     resumed = train(resume=tmp_path / "cut")
     assert _comparable(resumed.history) == _comparable(whole.history)
-    assert _comparable(read_metrics(tmp_path / "cut" / "metrics.jsonl")) == \
+    assert _comparable(read_log(tmp_path / "cut" / "metrics.jsonl")) == \
         _comparable(whole.history)
 
 

@@ -31,7 +31,7 @@ from labkit.lab.claims import ClaimResult, claim_verdict
 from labkit.lab.experiments import project_root
 from labkit.lab.findings_page import render, render_every, write_figures
 from labkit.lab.sweeps import load_sweep, plan, run_sweep
-from labkit.rundir import RUNS_ROOT, git_commit, read_metrics
+from labkit.rundir import RUNS_ROOT, git_commit, read_log
 
 CLAIMS_DIR = Path("experiments") / "claims"
 FINDINGS_PAGE = Path("docs") / "findings.md"
@@ -252,7 +252,7 @@ def _fire_steps(run_path: Path) -> dict[tuple[str, int], dict[str, int]]:
         arm, _, tail = config.parent.name.rpartition("-seed")
         if not arm or tail != str(seed):
             continue
-        history = read_metrics(config.parent / "metrics.jsonl")
+        history = read_log(config.parent / "metrics.jsonl")
         out[(arm, seed)] = {f"fires.{rule}": step
                             for rule, step in questions.first_fires(history, rules).items()}
     return out

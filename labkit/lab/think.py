@@ -6,7 +6,7 @@ around a 2x2 `go.FigureWidget` that grows each step: completion length (all, cor
 wrong completions), the share of completions that work, how often each form is right, and
 the held-out accuracy at each evaluation. `train_live` runs one such training run;
 `look_at_ppo` trains a short PPO run and looks at a batch through the credit microscope
-(`labkit.credit.look`), which `microscope_figure` draws: each estimate's error against the
+(`labkit.microscope.look`), which `microscope_figure` draws: each estimate's error against the
 Monte Carlo one, token position by token position, and the critic's error after each written
 step. `outputs` writes the notebook's summary.json and metrics.jsonl.
 """
@@ -19,7 +19,7 @@ from pathlib import Path
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from labkit.credit import Microscope, look
+from labkit.microscope import Microscope, look
 from labkit.lab.experiments import histories, run_config
 from labkit.lab.plots import TEMPLATE, color
 from labkit.lab.summaries import flat_summary, summary_rows, write_outputs
@@ -69,7 +69,7 @@ class LivePlot:
             from labkit import rundir
 
             path = Path(report.config.run_dir) / "metrics.jsonl"
-            first = [r for r in rundir.read_metrics(path) if r.get("step") == 0]
+            first = [r for r in rundir.read_log(path) if r.get("step") == 0]
             if first:
                 self.add(0, first[0])
         self.add(report.step, report.metrics)
@@ -141,7 +141,7 @@ def credit_figure(root: str | Path, out: str | Path | None = None) -> go.Figure:
     given (kaleido, the `figures` extra)."""
     import math
 
-    from labkit.credit import CREDIT_FILE, read_credit
+    from labkit.microscope import CREDIT_FILE, read_credit
 
     records = [read_credit(path.parent)[-1] for path in sorted(Path(root).rglob(CREDIT_FILE))
              if read_credit(path.parent)]
