@@ -57,12 +57,12 @@ def _eval_parser(sub) -> None:
 
 
 def _problems(args):
-    from labkit.tasks import ArithmeticTask, load_gsm8k
+    from labkit.problems.tasks import ArithmeticTask, load_gsm8k
 
     if args.task == "code":
         import sys
 
-        from labkit.code_tasks import load_code_tasks
+        from labkit.problems.code_tasks import load_code_tasks
         from labkit.sandbox import launch
 
         if not args.code_path:
@@ -72,7 +72,7 @@ def _problems(args):
         launch.require_boundary(sys.executable, None)
         return problems, 256
     if args.task == "dataset":
-        from labkit.dataset_task import load_dataset_task
+        from labkit.problems.dataset_task import load_dataset_task
 
         if not args.dataset_path:
             raise ValueError("--task dataset needs --dataset-path, a local .jsonl, .json, "
@@ -84,7 +84,7 @@ def _problems(args):
             raise ValueError("--task gsm8k needs --gsm8k-path, a local jsonl with "
                              "'question' and 'answer' fields")
         return load_gsm8k(args.gsm8k_path, n=args.n, seed=args.seed), 256
-    from labkit.config import TASK_SHAPES
+    from labkit.settings.defaults import TASK_SHAPES
 
     shape = TASK_SHAPES.get(args.task, TASK_SHAPES["other"])
     given = {"digits": args.digits, "operands": args.operands}
@@ -95,8 +95,9 @@ def _problems(args):
 
 
 def run_eval(args) -> dict:
-    from labkit.evaluation import evaluate, measure_forms
-    from labkit.models import THINK_NAME, load, resolve_device, resolve_model_path
+    from labkit.model.models import load, resolve_device, resolve_model_path
+    from labkit.probes.evaluation import evaluate, measure_forms
+    from labkit.settings.embedded import THINK_NAME
 
     if args.n < 1:
         raise ValueError(f"--n must be >= 1, got {args.n}")
@@ -127,10 +128,10 @@ def run_eval(args) -> dict:
 
 
 def config_fields(pairs, who) -> dict:
-    """(field, text) pairs -> TrainConfig values, each text read by `labkit.fields.parse`
+    """(field, text) pairs -> TrainConfig values, each text read by `labkit.settings.fields.parse`
     (the reader of every entry point); `who(name)` is how an error names the option."""
-    from labkit.config import TrainConfig, field_types
-    from labkit.fields import parse_field
+    from labkit.settings.config import TrainConfig, field_types
+    from labkit.settings.fields import parse_field
 
     known, given = field_types(), {}
     for name, text in pairs:
@@ -156,12 +157,12 @@ class _LinesFormatter(argparse.HelpFormatter):
 def _train_parser(sub) -> None:
     from dataclasses import MISSING, fields
 
-    from labkit.config import TrainConfig, field_choices, field_docs
+    from labkit.settings.config import TrainConfig, field_choices, field_docs
 
     docs, choices = field_docs(), field_choices()
     cmd = sub.add_parser("train", help="run GRPO or PPO; every config field is an option",
                          formatter_class=_LinesFormatter, description="Train with GRPO or PPO. Options not given keep the "
-                                     "defaults of labkit.config.TrainConfig.")
+                                     "defaults of labkit.settings.config.TrainConfig.")
     cmd.add_argument("--resume", default=None, metavar="RUN_DIR",
                      help="continue the run in RUN_DIR from its last checkpoint")
     for f in fields(TrainConfig):
@@ -173,14 +174,14 @@ def _train_parser(sub) -> None:
 
 
 def run_train(args) -> dict:
-    from labkit.config import TrainConfig, field_types
+    from labkit.settings.config import TrainConfig, field_types
 
     given = config_fields([(name, getattr(args, name)) for name in field_types()
                            if getattr(args, name) is not None], option)
     if args.resume is not None:
         if given:
             raise ValueError(f"--resume continues a run with its own config; drop {sorted(given)}")
-        from labkit.rundir import read_config
+        from labkit.run.rundir import read_config
         read_config(args.resume)  # a clear error before any model loads
         config = None
     else:
@@ -220,8 +221,8 @@ def _diagnose_parser(sub) -> None:
 
 
 def run_diagnose(args) -> dict:
-    from labkit.config import TrainConfig
-    from labkit.diagnose import DiagSettings, diagnose_trainer, table
+    from labkit.probes.diagnose import DiagSettings, diagnose_trainer, table
+    from labkit.settings.config import TrainConfig
     from labkit.trainer import Trainer
 
     if args.threads is not None:
@@ -258,6 +259,8 @@ def _run_parser(sub) -> None:
     cmd.add_argument("--name", default=None,
                      help="folder under the runs root (default: the notebook's name)")
     cmd.add_argument("--root", default=None, help="runs root (default: experiments/runs)")
+    cmd.add_argument("--json", action="store_true",
+                     help="end with summary.json as one JSON line (for scripts)")
 
 
 def _sweep_parser(sub) -> None:
@@ -290,7 +293,7 @@ def _findings_parser(sub) -> None:
     cmd = sub.add_parser("findings", help="write docs/findings.md from the finished claim runs",
                          description="Read every claim of experiments/claims/ and the "
                                      "summaries of its finished runs, and write the findings "
-                                     "page: each claim's effect, 95%% interval, seeds and "
+                                     "page: each claim's effect, 95% interval, seeds and "
                                      "verdict.")
     cmd.add_argument("--out", default="docs/findings.md", help="the page to write "
                                                                "(default: docs/findings.md)")
@@ -372,8 +375,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except RuntimeError as e:  # a run that stopped on a non-finite loss: said, not a traceback
+        from labkit.records import RunAborted
         from labkit.sandbox.launch import SandboxUnavailable
-        from labkit.trainer import RunAborted
 
         if not isinstance(e, (RunAborted, SandboxUnavailable)):
             raise

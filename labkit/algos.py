@@ -3,11 +3,12 @@
     prompts --rollout--> RolloutBatch --reward--> r (N,) --advantage--> A --loss--> update
 
 GRPO (DeepSeekMath, Shao et al., 2024) and PPO (Schulman et al., 2017, as InstructGPT runs
-it on language) share every stage but the advantage: GRPO compares the G completions of a
-prompt with each other and needs no critic; PPO asks a learned critic for a value per token
-and runs GAE on token rewards (`stages.advantages`, the one place they differ, and the
-critic's value loss in `labkit.update`). Which estimator runs is `config.estimator`; a learner
-has a critic when that estimator reads one.
+it on language) share the stages: GRPO compares the G completions of a prompt with each
+other and needs no critic; PPO asks a learned critic for a value per token
+(`stages.advantages`), runs GAE on token rewards that carry the KL (`stages.kl_in_reward`)
+and adds the critic's value loss and optimizer step (`labkit.update`); the README lists each
+place. Which estimator runs is `config.estimator`; a learner has a critic when that
+estimator reads one.
 
 Each stage is a function of `labkit.stages`; the ones marked "variant" (the sampler-learner
 mismatch, KL in the reward, dynamic sampling, the overlong penalty, the adaptive KL
@@ -18,51 +19,18 @@ coefficient) do nothing unless the config asks for them. `labkit.trainer.train` 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from torch import Tensor
 
-from labkit import stages
-from labkit.config import TrainConfig
-from labkit.learner import Learner
-from labkit.rollout import RolloutBatch
-from labkit.tasks import Problem
-from labkit.update import update
+from labkit import preference, rft, stages
+from labkit.model.learner import Learner
+from labkit.model.rollout import RolloutBatch
+from labkit.problems.tasks import Problem
+from labkit.settings.config import TrainConfig
+from labkit.update import StepOutput, update
 
-
-@dataclass
-class StepOutput:
-    """What a step hands back for metrics and live plots."""
-
-    batch: RolloutBatch
-    """The rollout as sampled (its old log-probs the sampler's)."""
-    rewards: Tensor
-    """(N,) the rewards the advantages were computed from (with the overlong penalty)."""
-    advantages: Tensor
-    """(N,) for GRPO, (N, T) for PPO."""
-    stats: dict
-    """Loss terms, clip fractions, grad norm... averaged over the step's optimizer steps."""
-    values: Tensor | None = None
-    """PPO: the critic's values (N, T) before the update."""
-    returns: Tensor | None = None
-    """PPO: GAE returns (N, T), the critic's target."""
-
-
-def _dpo_step():
-    from labkit import preference
-
-    return preference.step
-
-
-def _rft_step():
-    from labkit import rft
-
-    return rft.step
-
-
-OTHER_STEPS = {"dpo": _dpo_step, "rft": _rft_step}
-"""The algorithms that are not a policy gradient on advantages: their step, imported when
-asked for."""
+OTHER_STEPS = {"dpo": preference.step, "rft": rft.step}
+"""The algorithms that are not a policy gradient on advantages, and their step."""
 
 
 def step(config: TrainConfig, learner: Learner, tokenizer, problems: list[Problem],
@@ -73,8 +41,8 @@ def step(config: TrainConfig, learner: Learner, tokenizer, problems: list[Proble
     times the rollout and keeps a sample of it there). DPO's and RFT's steps share the
     rollout and the reward and go their own way after (`labkit.preference`, `labkit.rft`)."""
     if config.algo in OTHER_STEPS:
-        return OTHER_STEPS[config.algo]()(config, learner, tokenizer, problems, step_seed,
-                                          on_rollout)
+        return OTHER_STEPS[config.algo](config, learner, tokenizer, problems, step_seed,
+                                        on_rollout)
     # 1. rollout: G completions per prompt, with the sampling policy's log-probs
     batch = stages.sample(config, learner, tokenizer, problems, step_seed)
     # 2. reward: one scalar per completion

@@ -1,7 +1,9 @@
 """Answer extraction: find the final answer a completion commits to. Pure string functions.
 
-Nothing here judges whether an answer is right (that is `labkit.rewards.correctness`); these
-functions only locate the answer text, in the formats math models and GSM8K actually use.
+Nothing here judges whether an answer is right (that is
+`labkit.problems.rewards.correctness`); these functions only locate the answer text, in the
+formats math models and GSM8K actually use, and read completions as text (`completion_text`,
+`is_worked`).
 """
 
 from __future__ import annotations
@@ -130,3 +132,36 @@ def gsm8k_ground_truth(answer_field: str) -> str:
     if not value:
         raise ValueError(f"answer_field has no '#### N' final answer: {answer_field[-80:]!r}")
     return value
+
+
+def completion_text(completion) -> str | None:
+    """The text of one completion: a string as is; for TRL's conversational form (a list of
+    `{"role", "content"}` dicts) the content of the last assistant message, or of the last
+    message when none is marked assistant. None for anything else."""
+    if isinstance(completion, str):
+        return completion
+    if isinstance(completion, dict):
+        completion = [completion]
+    if isinstance(completion, (list, tuple)) and completion:
+        messages = [m for m in completion if isinstance(m, dict)]
+        if not messages:
+            return None
+        assistant = [m for m in messages if m.get("role") == "assistant"]
+        content = (assistant or messages)[-1].get("content")
+        return content if isinstance(content, str) else None
+    return None
+
+
+def gsm8k_steps(answer_field: str) -> list[str]:
+    """The intermediate results of a GSM8K solution: the `c` of each `<<a*b=c>>` annotation."""
+    return [m.strip() for m in re.findall(r"<<[^<>]*=([^<>=]*)>>", answer_field)]
+
+
+STEP = re.compile(r"\d\s*[-+*]\s*\d+\s*=")
+"""One written step of a worked solution, like '12+5='."""
+
+
+def is_worked(completion: str) -> bool:
+    """Whether a completion works before it answers: a step like '3+4=' before its first
+    \\boxed (anywhere, when it boxes nothing). A direct answer is the box alone."""
+    return bool(STEP.search(completion.split("\\boxed", 1)[0]))

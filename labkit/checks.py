@@ -1,4 +1,5 @@
-"""Input checks shared by the pure tensor modules (advantages, losses, metrics).
+"""Input checks shared by the pure tensor modules (advantages, losses, metrics) and by the
+rewards (`per_completion`: a keyword column with one entry per completion).
 
 Each returns the checked input in the form the math wants (detached fp32, a bool mask) or
 raises ValueError naming the argument and the rule. `NonFiniteError` is the one error for a
@@ -6,6 +7,8 @@ NaN or inf where a finite number is needed.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -73,3 +76,16 @@ def float_like(x, name: str, ref: Tensor, ref_name: str) -> Tensor:
 
 __all__ = ["NonFiniteError", "as_float", "bool_mask", "check_mask", "float_tensor", "zero_one",
            "float_like"]
+
+
+def per_completion(values, name: str, completions: Sequence, missing: str) -> None:
+    """Check a keyword column a reward reads (TRL passes dataset columns as keywords): given
+    (else ValueError(`missing`)), a list rather than one string, one entry per completion."""
+    if values is None:
+        raise ValueError(missing)
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):
+        raise ValueError(f"{name} must be a list with one entry per completion, "
+                         f"got {type(values).__name__}")
+    if len(values) != len(completions):
+        raise ValueError(f"{name} has {len(values)} entries but completions has "
+                         f"{len(completions)}: one entry per completion")

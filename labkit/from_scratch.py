@@ -4,7 +4,7 @@ This is the plain reference beside labkit's trainer (`labkit.trainer.Trainer.ste
 same math for the trainer's default variant, with no registry, no config object and nothing
 imported from labkit, so that a newcomer can read it top to bottom, and so that a test can
 check that the trainer computes exactly this (tests/test_from_scratch.py). The keyword
-arguments default to `labkit.config.TrainConfig`'s defaults.
+arguments default to `labkit.settings.config.TrainConfig`'s defaults.
 
 Shapes: B prompts, G completions per prompt, N = B*G rows (the G completions of a prompt next
 to each other), P prompt tokens (left-padded), T completion tokens (right-padded: real
@@ -13,7 +13,8 @@ tokens up to and including EOS, then padding), L = P + T.
 Both steps take a rollout that is already sampled: the prompts (B, P) and their masks, the
 completions (N, T), their masks, the log-probs (N, T) the sampling policy gave each sampled
 token, and one scalar reward per completion (N,). Departures from labkit: one variant each
-(GRPO's group z-score, token-mean aggregation, the vanilla clipped loss; PPO's GAE), one
+(GRPO's group z-score, token-mean aggregation rather than DeepSeekMath's mean of per-completion
+means (`token_mean` says how they differ), the vanilla clipped loss; PPO's GAE), one
 process, no mixed precision, no gradient accumulation, no exotic masks (right padding only).
 """
 
@@ -31,7 +32,7 @@ LearningRate = float | Sequence[float]
 
 
 @dataclass
-class StepResult:
+class UpdateResult:
     """What one update computed: its advantages and its figures, each a mean over the
     update's num_iterations x minibatches optimizer steps."""
 
@@ -71,7 +72,10 @@ def token_logprobs(model, ids: Tensor, mask: Tensor, positions: Tensor, completi
 
 def token_mean(per_token: Tensor, mask: Tensor) -> Tensor:
     """sum over real tokens / number of real tokens: every token of the minibatch weighs the
-    same (labkit's default `agg`, token-mean)."""
+    same (labkit's default `agg`, token-mean, as DAPO and TRL's default). DeepSeekMath's
+    objective is not this: it averages each completion first, 1/G sum_i 1/|o_i| sum_t, so a
+    token of a short completion weighs more than one of a long one (labkit's
+    `agg="seq-mean-token-mean"`)."""
     return torch.where(mask, per_token, 0.0).sum() / mask.sum().clamp(min=1)
 
 
@@ -170,7 +174,7 @@ def grpo_step(policy, reference, prompt_ids: Tensor, prompt_mask: Tensor,
               eps_high: float = 0.2, adv_eps: float = 1e-4, temperature: float = 1.0,
               num_iterations: int = 1, minibatches: int = 1, lr: LearningRate = 1e-3,
               weight_decay: float = 0.0, max_grad_norm: float = 1.0,
-              optimizer: torch.optim.Optimizer | None = None) -> StepResult:
+              optimizer: torch.optim.Optimizer | None = None) -> UpdateResult:
     """One GRPO update of `policy` (a Hugging Face causal LM) on a sampled rollout: the
     clipped surrogate with group advantages, + beta * k3 KL to the frozen `reference` (None
     when beta is 0), each a token mean over the minibatch. `optimizer`: None makes a fresh
@@ -203,7 +207,7 @@ def grpo_step(policy, reference, prompt_ids: Tensor, prompt_mask: Tensor,
         for key, value in figures.items():
             sums[key] = sums.get(key, 0.0) + value
         steps += 1
-    return StepResult(advantages, {key: value / steps for key, value in sums.items()})
+    return UpdateResult(advantages, {key: value / steps for key, value in sums.items()})
 
 
 # --- 7. PPO's critic and its advantage (InstructGPT; GAE, Schulman et al., 2016) ----------------
@@ -284,7 +288,7 @@ def ppo_step(policy, reference, critic, prompt_ids: Tensor, prompt_mask: Tensor,
              lr: LearningRate = 5e-4, critic_lr: LearningRate = 1e-3,
              weight_decay: float = 0.0, max_grad_norm: float = 1.0,
              optimizer: torch.optim.Optimizer | None = None,
-             critic_optimizer: torch.optim.Optimizer | None = None) -> StepResult:
+             critic_optimizer: torch.optim.Optimizer | None = None) -> UpdateResult:
     """One PPO update of `policy` and `critic` on a sampled rollout. The KL to the frozen
     `reference` (None when beta is 0) is a penalty in the token rewards, k1 of the sampling
     log-probs; GAE over those rewards and the critic's values before the update gives the
@@ -325,5 +329,5 @@ def ppo_step(policy, reference, critic, prompt_ids: Tensor, prompt_mask: Tensor,
         for key, value in figures.items():
             sums[key] = sums.get(key, 0.0) + value
         steps += 1
-    return StepResult(advantages, {key: value / steps for key, value in sums.items()},
+    return UpdateResult(advantages, {key: value / steps for key, value in sums.items()},
                       returns)

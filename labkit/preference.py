@@ -36,11 +36,13 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from labkit import stages
-from labkit.config import TrainConfig
-from labkit.learner import Learner
-from labkit.metrics import masked_mean
-from labkit.scoring import token_scores
-from labkit.tasks import Problem
+from labkit.formulas import losses
+from labkit.formulas.metrics import masked_mean
+from labkit.model.learner import Learner
+from labkit.model.scoring import token_scores
+from labkit.problems.tasks import Problem
+from labkit.settings.config import TrainConfig
+from labkit.update import StepOutput, plain_update
 
 LOSS_TYPES = ("sigmoid", "ipo", "robust")
 
@@ -129,7 +131,6 @@ def step(config: TrainConfig, learner: Learner, tokenizer, problems: list[Proble
     """One DPO step on `problems`: the rollout (from the policy, or offline from the frozen
     reference), the rewards, the pairs, then num_iterations passes of `minibatches`
     optimizer steps over the pairs."""
-    from labkit.algos import StepOutput
 
     sampler = None if config.dpo_online else learner.reference
     # 1. rollout and reward, as GRPO's
@@ -153,7 +154,7 @@ def step(config: TrainConfig, learner: Learner, tokenizer, problems: list[Proble
     if config.dpo_grpo_cosine:  # before the update: both gradients at the same weights
         stats["dpo/grpo_cosine"] = grpo_cosine(config, learner, batch, rewards, found, ref_logp)
     # 4. the DPO loss on the pairs, minibatch by minibatch
-    stats |= update(config, learner, batch, found, ref_logp, step_seed)
+    stats |= dpo_update(config, learner, batch, found, ref_logp, step_seed)
     return StepOutput(batch, rewards, A, stats)
 
 
@@ -164,7 +165,6 @@ def grpo_cosine(config: TrainConfig, learner: Learner, batch, rewards: Tensor, f
     `rewards`, -A log pi aggregated by `agg`: the clipped surrogate's gradient at ratio 1,
     without KL) on the whole rollout. With G=2, GRPO's advantage is +-c on the pair and 0
     elsewhere; the two then differ only in how they weigh pairs and tokens."""
-    from labkit import losses
 
     params = [p for group in learner.optimizer.param_groups for p in group["params"]]
     mask = batch.completion_mask
@@ -195,11 +195,10 @@ def grpo_cosine(config: TrainConfig, learner: Learner, batch, rewards: Tensor, f
     return float(a @ b / (a.norm() * b.norm()).clamp(min=1e-30))
 
 
-def update(config: TrainConfig, learner: Learner, batch, found: Pairs, ref_logp: Tensor,
+def dpo_update(config: TrainConfig, learner: Learner, batch, found: Pairs, ref_logp: Tensor,
            step_seed: int) -> dict:
     """The DPO loss over the pairs, num_iterations passes of `minibatches` optimizer steps of
     grad_accum micro-batches (`labkit.update.plain_update`); the mean of their stats."""
-    from labkit.update import plain_update
 
     mask = batch.completion_mask
     seq_ref = (ref_logp * mask).sum(1)

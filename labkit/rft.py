@@ -16,12 +16,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from labkit import losses, stages
-from labkit.config import TrainConfig
-from labkit.learner import Learner
-from labkit.metrics import masked_mean
-from labkit.scoring import token_scores
-from labkit.tasks import Problem
+from labkit import stages
+from labkit.formulas import losses
+from labkit.formulas.metrics import masked_mean
+from labkit.model.learner import Learner
+from labkit.model.scoring import token_scores
+from labkit.problems.tasks import Problem
+from labkit.settings.config import TrainConfig
+from labkit.update import StepOutput, plain_update
 
 
 def kept(rewards: Tensor) -> Tensor:
@@ -31,15 +33,13 @@ def kept(rewards: Tensor) -> Tensor:
 
 def sft_loss(logp: Tensor, mask: Tensor, agg: str, max_len: int) -> Tensor:
     """The supervised loss of kept completions: -log-prob of each real token (N, T),
-    aggregated by `agg` (labkit.losses.aggregate)."""
+    aggregated by `agg` (labkit.formulas.losses.aggregate)."""
     return losses.aggregate(-logp, mask, agg=agg, max_len=max_len)
 
 
 def step(config: TrainConfig, learner: Learner, tokenizer, problems: list[Problem],
          step_seed: int, on_rollout=None):
     """One RFT round on `problems`: rollout, reward, keep, supervised update."""
-    from labkit.algos import StepOutput
-    from labkit.update import plain_update
 
     # 1. rollout and reward, as GRPO's
     batch = stages.sample(config, learner, tokenizer, problems, step_seed)

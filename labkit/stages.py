@@ -6,7 +6,7 @@
 
 A stage in brackets is a variant: it returns its input unchanged (or nothing) unless the
 config asks for it, so a reader can skip it. Several processes (`accelerate launch`) change
-how the rollout and the no-grad passes are shared out (`labkit.parallel`), never what they
+how the rollout and the no-grad passes are shared out (`labkit.model.parallel`), never what they
 compute; one process never reaches that code.
 """
 
@@ -17,15 +17,17 @@ from dataclasses import replace
 import torch
 from torch import Tensor
 
-from labkit import estimators as est
-from labkit import credit, losses, mismatch, parallel, reward_expr
-from labkit.config import TrainConfig
-from labkit.learner import Learner
-from labkit.metrics import masked_mean
-from labkit.rewards import overlong_penalty
-from labkit.rollout import RolloutBatch, rollout
-from labkit.scoring import token_scores, token_values
-from labkit.tasks import Problem
+from labkit.formulas import estimators as est
+from labkit.formulas import losses, mismatch
+from labkit.formulas.metrics import masked_mean
+from labkit.model import credit, parallel
+from labkit.model.learner import Learner
+from labkit.model.rollout import RolloutBatch, rollout
+from labkit.model.scoring import token_scores, token_values
+from labkit.problems import reward_expr
+from labkit.problems.rewards import overlong_penalty
+from labkit.problems.tasks import Problem
+from labkit.settings.config import TrainConfig
 
 # --- 1. rollout --------------------------------------------------------------------------------
 
@@ -94,7 +96,7 @@ def estimator_extras(config: TrainConfig, learner: Learner, tokenizer,
     `components` (N, K) and `component_weights` (K,), the reward's terms scored one by one;
     `greedy_rewards` (N,), the reward of one greedy completion per prompt (an extra rollout of
     B rows), repeated over the prompt's G rows; `mc_values` (N, T + 1), the Monte Carlo value
-    of each completion's prefix at the start and after each written step (`labkit.credit`,
+    of each completion's prefix at the start and after each written step (`labkit.model.credit`,
     `vine_samples` continuations each), its reward at its end, with what they cost
     (`mc_continuations`, `mc_seconds`). A critic's `values` come in `advantages`."""
     needs = est.ESTIMATORS.needs(config.estimator)
@@ -238,7 +240,7 @@ def advantages(config: TrainConfig, learner: Learner, batch: RolloutBatch, rewar
     """The estimator `config.estimator`'s advantages, (N,) or (N, T), and its returns where it
     has them; and the critic's values (N, T) or None.
 
-    This is where PPO differs from GRPO: GRPO's estimators compare the G completions of a
+    Here PPO's advantage differs from GRPO's: GRPO's estimators compare the G completions of a
     prompt with each other; PPO's (gae) reads a critic's value of every token, one no-grad
     pass here, turns the token rewards into TD errors and GAE advantages, and gives the
     returns, the critic's regression target in the update."""

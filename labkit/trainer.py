@@ -13,9 +13,7 @@ resumed run therefore logs the same metrics as an uninterrupted one (on the CPU)
 from __future__ import annotations
 
 import copy
-import json
 import random
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -24,26 +22,23 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from labkit import algos, parallel, rundir, samples, stages, stops
-from labkit import metrics as M
-from labkit.advantages import NonFiniteError
-from labkit.config import TrainConfig
-from labkit.preflight import preflight
-from labkit.microscope import RunCredit
-from labkit.diagnose import RunDiagnostics
-from labkit.evaluation import run_eval
-from labkit.learner import (Learner, build_learner, learner_state, machine, make_accelerator,
-                            peak_rss_mb, restore_learner, update_count)
-from labkit.lora import save_final
+from labkit import algos, records, stages
+from labkit.formulas import metrics as M
+from labkit.formulas.advantages import NonFiniteError
+from labkit.model import parallel
+from labkit.model.learner import (build_learner, learner_state, machine, make_accelerator,
+                                  peak_rss_mb, restore_learner, update_count)
+from labkit.model.rollout import RolloutBatch
+from labkit.probes import samples
+from labkit.probes.evaluation import run_eval
+from labkit.problems.rewards import RewardError, correctness
+from labkit.problems.source import ARITHMETIC, ProblemSource
+from labkit.problems.tasks import Problem
+from labkit.records import STOPPED, RunAborted, RunLog
 from labkit.reproducible import set_threads
-from labkit.rewards import RewardError, correctness
-from labkit.rollout import RolloutBatch
-from labkit.tasks import ARITHMETIC, Problem, ProblemSource
-from labkit.trackers import Trackers
-
-STOPPED = "stopped.json"
-METRICS = "metrics.jsonl"
-"""Written into the run directory when a stop rule ends the run: the rule, step and value."""
+from labkit.run import rundir
+from labkit.settings.config import TrainConfig
+from labkit.settings.preflight import preflight
 
 
 def step_seed(config: TrainConfig, step: int) -> int:
@@ -64,11 +59,11 @@ class StepResult:
     """(N,) for GRPO, (N, T) for PPO."""
     batch: RolloutBatch
     metrics: dict
-    """The flat metrics of the step (`labkit.metrics`): its metrics.jsonl record, less `step`
-    and the evaluation figures."""
+    """The flat metrics of the step (`labkit.formulas.metrics`): its metrics.jsonl record, less
+    `step` and the evaluation figures."""
     view: dict | None = None
     """With `inspect`: the kept groups' rows and, per token, the entropy before the update
-    and the ratio pi_new / pi_old after it (`labkit.samples`)."""
+    and the ratio pi_new / pi_old after it (`labkit.probes.samples`)."""
 
 
 class Trainer:
@@ -152,7 +147,7 @@ def _one_step(config, learner, tokenizer, problems, step: int, step_seed: int,
     def on_rollout(batch, rewards) -> None:
         nonlocal view
         if inspect:
-            view = samples.token_view(config, learner, batch, samples.kept_rows(config))
+            view = samples.token_view(config, learner, batch, samples.logged_rows(config))
         marks["rollout"] = time.perf_counter()
 
     t0 = time.perf_counter()
@@ -179,11 +174,6 @@ def _one_step(config, learner, tokenizer, problems, step: int, step_seed: int,
 
 
 # --- a run: the steps, written into a run directory ------------------------------------------
-
-class RunAborted(RuntimeError):
-    """A run that cannot go on (a non-finite loss or reward); the message names the step, the
-    cause and the checkpoint to resume from."""
-
 
 @dataclass
 class StepReport:
@@ -241,7 +231,7 @@ def train(config: TrainConfig | None = None, *, resume: str | Path | None = None
         run_dir = Path(resume)
         config = TrainConfig.from_dict(rundir.read_config(run_dir))
         if (run_dir / STOPPED).is_file():
-            raise ValueError(f"{run_dir} was stopped ({_stop_message(run_dir)}): "
+            raise ValueError(f"{run_dir} was stopped ({records.stop_message(run_dir)}): "
                              "it is finished; start a new run to train further")
     else:
         config = config or TrainConfig()
@@ -272,55 +262,11 @@ def train(config: TrainConfig | None = None, *, resume: str | Path | None = None
             lock.release()
 
 
-def _stop_message(run_dir: Path) -> str:
-    try:
-        return json.loads((run_dir / STOPPED).read_text(encoding="utf-8"))["message"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return "see stopped.json"
-
-
-class _RunLog:
-    """A run's logs as it writes them, each through `rundir.Log`: metrics.jsonl (every record
-    so far, those of the run it resumes too, with the stop rules' and the dead-run watch's
-    verdicts on them and the held-out accuracies among them), rollouts.jsonl (`samples`),
-    diagnostics.jsonl and credit.jsonl (the periodic probes)."""
-
-    def __init__(self, config: TrainConfig, run_dir: Path):
-        path = run_dir / METRICS
-        self.records = rundir.read_log(path)
-        self.accuracy = [r["eval/accuracy"] for r in self.records if "eval/accuracy" in r]
-        self.watch = stops.RunWatch(config)
-        self.stopped: stops.Stop | stops.Dead | None = None
-        for record in self.records:  # a resumed run follows the same streaks as an uninterrupted one
-            self.judge(record)
-        self.metrics = rundir.Log(path)
-        self.rollouts = rundir.Log(run_dir / samples.FILE)  # rollouts_every
-        self.diag = RunDiagnostics(config, run_dir)  # diag_every: diagnostics.jsonl
-        self.credit = RunCredit(config, run_dir)  # credit_every: credit.jsonl
-        # report_to: views of the same records (a resumed run's from its checkpoint on)
-        self.trackers = Trackers(config.report_to, run_dir, config.to_dict(), self.records)
-
-    def judge(self, record: dict) -> stops.Stop | stops.Dead | None:
-        self.stopped = self.watch.update(record)
-        return self.stopped
-
-    def write(self, record: dict) -> None:
-        self.metrics.write(record)
-        self.trackers.log(record)
-        self.records.append(record)
-        if "eval/accuracy" in record:
-            self.accuracy.append(record["eval/accuracy"])
-
-    def close(self) -> None:
-        for log in (self.metrics, self.rollouts, self.diag, self.credit, self.trackers):
-            log.close()
-
-
 def _train(trainer: Trainer, run_dir: Path, resuming: bool,
            callbacks: Sequence[Callable[[StepReport], None]], start_time: float) -> RunResult:
     config = trainer.config
-    first = _resume_point(trainer.learner, run_dir) if resuming else 1
-    log = _RunLog(config, run_dir)
+    first = records.resume_point(trainer.learner, run_dir) if resuming else 1
+    log = RunLog(config, run_dir)
     try:
         if first == 1:
             record = {"step": 0, **trainer.evaluate(), **log.diag.measure(trainer, 0)}
@@ -331,7 +277,7 @@ def _train(trainer: Trainer, run_dir: Path, resuming: bool,
         log.close()
     stopped, accuracy = log.stopped, log.accuracy
     last = stopped.step if stopped is not None else config.steps
-    _finish(run_dir, trainer.learner, trainer.policy, trainer.tokenizer, last, stopped,
+    records.finish(run_dir, trainer.learner, trainer.policy, trainer.tokenizer, last, stopped,
             trainer.config)
     result = RunResult(run_dir, config, last, accuracy[0] if accuracy else float("nan"),
                        accuracy[-1] if accuracy else float("nan"),
@@ -347,7 +293,7 @@ def _follow(trainer: Trainer, run_dir: Path, resuming: bool) -> RunResult:
     the main process's RunResult."""
     acc = trainer.accelerator
     if resuming:
-        _resume_point(trainer.learner, run_dir, main=False)
+        records.resume_point(trainer.learner, run_dir, main=False)
     for step in parallel.broadcast(None, acc):  # the steps the main process runs
         try:
             trainer.step(step)
@@ -359,7 +305,7 @@ def _follow(trainer: Trainer, run_dir: Path, resuming: bool) -> RunResult:
     return parallel.broadcast(None, acc)
 
 
-def _run_steps(trainer: Trainer, log: _RunLog, first: int, run_dir: Path,
+def _run_steps(trainer: Trainer, log: RunLog, first: int, run_dir: Path,
                callbacks: Sequence[Callable[[StepReport], None]]) -> None:
     """Steps `first`..config.steps, each logged, evaluated every `eval_every` and at a stop,
     and checkpointed every `checkpoint_every`, until a stop rule fires."""
@@ -386,7 +332,8 @@ def _run_steps(trainer: Trainer, log: _RunLog, first: int, run_dir: Path,
                     step, trainer.problems.draw(result.seed), result.batch, result.rewards,
                     result.advantages, result.view, trainer.tokenizer))
             if log.watch.found is not None:
-                _say_dead(run_dir, bar, log.watch.found, stopping=log.stopped is log.watch.found)
+                records.say_dead(run_dir, bar, log.watch.found,
+                                 stopping=log.stopped is log.watch.found)
             for callback in callbacks:
                 callback(StepReport(step, record, result.rewards, result.advantages,
                                     result.batch, config, result.view))
@@ -397,68 +344,9 @@ def _run_steps(trainer: Trainer, log: _RunLog, first: int, run_dir: Path,
             if config.checkpoint_every and step % config.checkpoint_every == 0:
                 rundir.save_checkpoint(run_dir, step, learner_state(learner))
     except (FloatingPointError, RewardError, NonFiniteError) as e:
-        raise _abort(run_dir, learner, step, e, clean=update_count(learner) == updates_before
+        raise records.abort(run_dir, learner, step, e, clean=update_count(learner) == updates_before
                      ) from e
     finally:
         bar.close()
 
 
-def _say_dead(run_dir: Path, bar, dead: stops.Dead, stopping: bool) -> None:
-    """Record a dead spell in the run directory and show it on the progress bar; a run that
-    goes on says it on stderr now (a stopping one does in `_finish`, once)."""
-    rundir.write_json(run_dir / stops.DEAD_FILE, dead.to_dict())
-    bar.set_description(f"dead since step {dead.first}")
-    if not stopping:
-        tqdm.write(f"{run_dir}: {dead.message()} (stop_when_dead=False: the run goes on)",
-                   file=sys.stderr)
-
-
-def _resume_point(learner: Learner, run_dir: Path, main: bool = True) -> int:
-    """Restore the latest checkpoint and cut every log of the run back to it
-    (`rundir.cut_logs`); the first step to run. The records after the checkpoint (and a torn
-    last line) go: those steps run again. On several processes every one restores the
-    checkpoint the main one found, and only the main one cuts the logs."""
-    found = rundir.latest_checkpoint(run_dir) if main else None
-    checkpoint = parallel.broadcast(found, learner.accelerator)
-    if checkpoint is None:  # killed before its first checkpoint: start over
-        if main:
-            rundir.cut_logs(run_dir, -1)
-        return 1
-    state = rundir.load_checkpoint(checkpoint)
-    restore_learner(learner, state)
-    if main:
-        rundir.cut_logs(run_dir, state["step"])
-    return state["step"] + 1
-
-
-def _finish(run_dir: Path, learner: Learner, policy, tokenizer, last: int,
-            stopped: stops.Stop | stops.Dead | None, config: TrainConfig) -> None:
-    """The last checkpoint, then (a stop rule fired) stopped.json and a line on stderr, then
-    the final model (with LoRA: merged, the adapters in final/adapter/). The checkpoint comes before stopped.json: a run killed in between is
-    resumed, replays its records, and stops again at the same step."""
-    rundir.save_checkpoint(run_dir, last, learner_state(learner))
-    if stopped is not None:
-        rundir.write_json(run_dir / STOPPED, stopped.to_dict())
-        tqdm.write(f"{run_dir}: {stopped.message()}", file=sys.stderr)
-    if config.lora_rank:  # LoRA: the merged model, and the adapters in final/adapter/
-        save_final(policy, tokenizer, run_dir / "final", config)
-        return
-    policy.save_pretrained(run_dir / "final")
-    tokenizer.save_pretrained(run_dir / "final")
-
-
-def _abort(run_dir: Path, learner: Learner, step: int, error: Exception,
-           clean: bool) -> RunAborted:
-    """Checkpoint what can be resumed and say so. `clean`: no optimizer step of `step` ran,
-    so the weights are those at the end of step - 1, a checkpoint a resume can use; else
-    step's earlier minibatches already moved them and the state is kept apart, as
-    `diverged_<step>.pt`, for inspection only."""
-    if clean:
-        path = rundir.save_checkpoint(run_dir, step - 1, learner_state(learner))
-        where = f"its last checkpoint is {path}"
-    else:
-        kept = rundir.save_checkpoint(run_dir, step, learner_state(learner), name="diverged")
-        latest = rundir.latest_checkpoint(run_dir)
-        where = (f"the state mid-step is in {kept}; resume restarts from "
-                 f"{latest if latest is not None else 'the beginning'}")
-    return RunAborted(f"step {step}: {error}; the run stopped, {where}")

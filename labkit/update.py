@@ -12,17 +12,40 @@ minibatch (`losses.accumulation_weight`), so grad_accum changes nothing but memo
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from labkit import losses, parallel
-from labkit.config import TrainConfig
-from labkit.learner import Learner
-from labkit.policy_losses import high_entropy_mask, policy_loss_mode
-from labkit.metrics import masked_mean
-from labkit.rollout import RolloutBatch
-from labkit.scoring import token_scores, token_values
+from labkit.formulas import losses
+from labkit.formulas.metrics import masked_mean
+from labkit.formulas.policy_losses import high_entropy_mask, policy_loss_mode
+from labkit.model import parallel
+from labkit.model.learner import Learner
+from labkit.model.rollout import RolloutBatch
+from labkit.model.scoring import token_scores, token_values
+from labkit.settings.config import TrainConfig
+
+
+@dataclass
+class StepOutput:
+    """What a step hands back for metrics and live plots."""
+
+    batch: RolloutBatch
+    """The rollout as sampled (its old log-probs the sampler's)."""
+    rewards: Tensor
+    """(N,) the rewards the advantages were computed from (with the overlong penalty)."""
+    advantages: Tensor
+    """What each completion's log-likelihood was weighted by in the update: the advantage,
+    (N,) for GRPO, (N, T) for PPO; for DPO the pair sign (+1 chosen, -1 rejected, 0 in no
+    pair), for RFT the kept weight (1 kept, 0 not)."""
+    stats: dict
+    """Loss terms, clip fractions, grad norm... averaged over the step's optimizer steps."""
+    values: Tensor | None = None
+    """PPO: the critic's values (N, T) before the update."""
+    returns: Tensor | None = None
+    """PPO: GAE returns (N, T), the critic's target."""
+
 
 CLIP_KEYS = ("clip/low", "clip/high", "clip/total")
 """The clip fractions also logged over the passes after the first, as `reuse/clip_*`: on the

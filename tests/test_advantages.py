@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.testing import assert_close
 
-from labkit import advantages as adv
-from labkit import estimators as est
+from labkit.formulas import advantages as adv
+from labkit.formulas import estimators as est
 
 TOL = dict(rtol=1e-6, atol=1e-6)
 TOL64 = dict(rtol=1e-12, atol=1e-12)
@@ -502,8 +502,8 @@ def test_equal_groups_give_zero_for_every_group_estimator():
                                     dict(estimator="grpo"), dict(estimator="dr_grpo"),
                                     dict(estimator="rloo", scale="batch")], ids=str)
 def test_group_advantages_are_the_estimator_called_directly(fields):
+    from labkit.settings.config import TrainConfig
     from labkit.stages import group_advantages
-    from labkit.config import TrainConfig
 
     config = TrainConfig(group_size=4, **fields)
     r = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0])
@@ -513,8 +513,8 @@ def test_group_advantages_are_the_estimator_called_directly(fields):
 
 
 def test_a_new_estimator_is_one_decorated_function():
+    from labkit.settings.config import TrainConfig
     from labkit.stages import group_advantages
-    from labkit.config import TrainConfig
 
     @est.ESTIMATORS.register("half_rloo_for_test")
     def half_rloo(inputs):
@@ -533,12 +533,12 @@ def test_a_new_estimator_is_one_decorated_function():
 
 
 def test_an_estimator_by_import_path_and_a_bad_name():
-    assert est.ESTIMATORS.resolve("labkit.estimators:rloo_estimator") is est.rloo_estimator
+    assert est.ESTIMATORS.resolve("labkit.formulas.estimators:rloo_estimator") is est.rloo_estimator
     with pytest.raises(ValueError, match=r"^estimator must be one of \['grpo', 'dr_grpo', "
                                          r"'rloo'.*'package.module:function', got 'ppo'$"):
         est.ESTIMATORS.resolve("ppo", "estimator")
-    with pytest.raises(ValueError, match="estimator='labkit.advantages:nope': cannot import"):
-        est.ESTIMATORS.resolve("labkit.advantages:nope", "estimator")
+    with pytest.raises(ValueError, match="estimator='labkit.formulas.advantages:nope': cannot import"):
+        est.ESTIMATORS.resolve("labkit.formulas.advantages:nope", "estimator")
 
 
 # ------------------------------------------------------------------ PPO's arrow
@@ -561,7 +561,7 @@ def test_vineppo_gives_each_step_its_monte_carlo_value_change():
     0.3, tokens 2-3 get 0.2. Row 1: no step inside, its end at 3: r - V(s_0) on every token."""
     import math
 
-    from labkit.estimators import AdvantageInputs, estimate
+    from labkit.formulas.estimators import AdvantageInputs, estimate
 
     nan = math.nan
     values = torch.tensor([[0.5, nan, 0.8, nan, 1.0, nan], [0.25, nan, nan, 0.0, nan, nan]])

@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from labkit import stats
 from labkit.bench import against_trl as AT
+from labkit.formulas import stats
 
 
 def _config(**overrides):
@@ -41,7 +41,7 @@ def test_trls_learning_rate_follows_labkits_schedule_after_warmup(tmp_path, sche
     against s / w, the difference the module's docstring states)."""
     from transformers import get_scheduler
 
-    from labkit.learner import lr_schedule
+    from labkit.model.learner import lr_schedule
 
     config = _config(schedule=schedule, warmup_steps=5)
     args = AT.trl_args(config, str(tmp_path))

@@ -112,7 +112,7 @@ def test_kept_memory_is_taken_again_without_page_faults():
 @pytest.mark.parametrize("fast", [True, False])
 def test_a_fast_trainer_on_the_cpu_keeps_freed_memory(monkeypatch, fast):
     import labkit.trainer
-    from labkit.config import TrainConfig
+    from labkit.settings.config import TrainConfig
 
     calls = []
     monkeypatch.setattr(allocator, "keep_freed_memory", lambda: calls.append(1))

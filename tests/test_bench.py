@@ -2,8 +2,8 @@
 (the figures themselves are the README's, measured on a quiet machine)."""
 
 import json
-import os
 import math
+import os
 import subprocess
 import sys
 
@@ -117,8 +117,8 @@ def test_the_prompt_timer_times_the_fast_passes_without_turning_them_off(tiny):
 
     from labkit import fast
     from labkit.fast import training
-    from labkit.rollout import rollout
-    from labkit.scoring import token_logprobs
+    from labkit.model.rollout import rollout
+    from labkit.model.scoring import token_logprobs
 
     model, tokenizer = tiny
     original = training.backbone
@@ -288,7 +288,7 @@ def test_the_floor_replays_a_kv_cache_from_its_own_memory_whatever_its_size():
 
 
 def _memory_work():
-    from labkit.models import EMBEDDED_PATH
+    from labkit.settings.embedded import EMBEDDED_PATH
 
     prompts, answers = inputs.tiny_prompts(8)
     return inputs.Work(str(EMBEDDED_PATH), tuple(prompts), tuple(answers), max_new_tokens=16,
@@ -393,7 +393,7 @@ def test_a_steps_problems_are_its_prompts_with_their_answers():
     (True, 26_000_000, "bf16"), (True, 439_552, "fp32"), (False, 26_000_000, "fp32")])
 def test_auto_precision_takes_bf16_only_where_the_cpu_has_it_and_the_model_gains(
         monkeypatch, native, params, expected):
-    from labkit import learner
+    from labkit.model import learner
 
     monkeypatch.setattr(learner, "cpu_bf16_native", lambda: native)
     assert inputs.bench_precision("auto", "cpu", params) == expected
@@ -404,7 +404,7 @@ def test_auto_precision_takes_bf16_only_where_the_cpu_has_it_and_the_model_gains
 def test_cpu_bf16_native_reads_the_cpu_flags(monkeypatch, tmp_path):
     from pathlib import Path
 
-    from labkit import learner
+    from labkit.model import learner
 
     real = Path.is_file
     # (flags, torch's kernel level, ONEDNN_MAX_CPU_ISA): native bf16 needs the flag and
@@ -437,7 +437,8 @@ def test_cpu_bf16_native_reads_the_cpu_flags(monkeypatch, tmp_path):
 def test_bf16_on_a_cpu_without_it_is_said_before_the_bench_starts(monkeypatch, capsys):
     import argparse
 
-    from labkit import bench, learner
+    from labkit import bench
+    from labkit.model import learner
 
     monkeypatch.setattr(learner, "cpu_bf16_native", lambda: False)
     stop = RuntimeError("stopped before any model was built")
@@ -590,7 +591,7 @@ def test_rounds_to_stable_counts_the_rounds_after_which_the_median_stays_put(rat
 def test_the_memory_worker_leaves_subnormal_floats_as_it_found_them():
     """It flushes subnormals to zero while it runs (a CPU-wide flag); a caller in the same
     process must get IEEE arithmetic back."""
-    from labkit.models import EMBEDDED_PATH
+    from labkit.settings.embedded import EMBEDDED_PATH
 
     tiny_normal = torch.tensor([1e-38], dtype=torch.float32)
     assert (tiny_normal / 1e3).item() > 0  # a subnormal, not flushed
@@ -610,7 +611,7 @@ def test_the_memory_baseline_already_holds_the_code_a_trainer_step_imports():
 import json, sys
 from labkit.bench import inputs, workers
 from labkit.bench.timing import labkit_trainer
-from labkit.models import EMBEDDED_PATH
+from labkit.settings.embedded import EMBEDDED_PATH
 work = inputs.Work(str(EMBEDDED_PATH), ("1+1=", "2+2="), ("2", "4"), max_new_tokens=4,
                    steps=1, warmup=0, batch_prompts=1, group_size=2)
 workers.import_trainer_code(work, lora=True)

@@ -39,8 +39,9 @@ def test_unknown_command_is_rejected():
 
 def test_train_help_lists_each_registry_and_literal_choice(capsys):
     """--help reads the choices from the registries and the Literals, not from a copy."""
-    from labkit import estimators, losses, rewards
     from labkit.__main__ import main
+    from labkit.formulas import estimators, losses
+    from labkit.problems import rewards
 
     with pytest.raises(SystemExit) as stop:
         main(["train", "--help"])
@@ -91,6 +92,7 @@ def test_train_help_shows_the_reward_grammar(capsys):
     for words in ("shaped(lam=0.3)", "noisy(p=0.2)", "correctness+0.3*format", "strict:",
                   "package.module:function, called with the keywords prompts, completions"):
         assert words in text, words
+
 
 def test_train_says_a_dead_run_in_its_last_json_line(tmp_path):
     """One-token completions never reach EOS: every step is dead, and with --dead-steps 2 the

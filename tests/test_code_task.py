@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from labkit import code_tasks, evaluation
-from labkit.code_tasks import CodeTaskError, load_code_tasks
+from labkit.probes import evaluation
+from labkit.problems import code_tasks
+from labkit.problems.code_tasks import CodeTaskError, load_code_tasks
 from labkit.sandbox import launch
 
 needs_boundary = pytest.mark.skipif(
@@ -135,7 +136,7 @@ def test_eval_gives_pass_at_1_and_pass_at_k_with_a_stub_policy(humaneval, monkey
 
 @needs_boundary
 def test_train_runs_two_steps_of_the_code_task_through_the_sandbox(humaneval, tmp_path):
-    from labkit.config import TrainConfig
+    from labkit.settings.config import TrainConfig
     from labkit.trainer import train
 
     run = tmp_path / "run"
@@ -151,7 +152,7 @@ def test_train_runs_two_steps_of_the_code_task_through_the_sandbox(humaneval, tm
 
 
 def test_the_code_task_is_checked_before_anything_loads(tmp_path, humaneval):
-    from labkit.config import TrainConfig
+    from labkit.settings.config import TrainConfig
 
     with pytest.raises(ValueError, match="code_path is required with task='code'"):
         TrainConfig(task="code", reward="code")

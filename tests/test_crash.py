@@ -16,10 +16,10 @@ import pytest
 import torch
 import yaml
 
-from labkit import rundir
-from labkit.config import TrainConfig
-from labkit.rundir import (Log, RunDirBusy, RunLock, claim_run_dir, latest_checkpoint,
-                         load_checkpoint, read_log, save_checkpoint, cut_log)
+from labkit.run import rundir
+from labkit.run.rundir import (Log, RunDirBusy, RunLock, claim_run_dir, cut_log, latest_checkpoint,
+                               load_checkpoint, read_log, save_checkpoint)
+from labkit.settings.config import TrainConfig
 
 HERE = Path(__file__).resolve().parent
 TINY = HERE / "fixtures" / "tiny.ipynb"
@@ -174,7 +174,7 @@ def test_threads_racing_for_one_run_dir_give_it_to_exactly_one(tmp_path):
 RACER = textwrap.dedent("""
     import sys, time
     from pathlib import Path
-    from labkit.rundir import claim_run_dir
+    from labkit.run.rundir import claim_run_dir
     go = Path(sys.argv[2])
     while not go.exists():
         time.sleep(0.001)
@@ -215,7 +215,7 @@ def test_a_crashed_runs_lock_does_not_block_its_resume(tmp_path):
     """The lock dies with its process: a SIGKILLed holder leaves the file, not the lock."""
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import time
-        from labkit.rundir import RunLock
+        from labkit.run.rundir import RunLock
         RunLock({str(tmp_path)!r})
         print("held", flush=True)
         time.sleep(300)

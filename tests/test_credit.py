@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from labkit.credit import at_steps, by_position, mc_advantages, prefix_values, step_ends
-from labkit.rollout import RolloutBatch
+from labkit.model.credit import at_steps, by_position, mc_advantages, prefix_values, step_ends
+from labkit.model.rollout import RolloutBatch
 
 BUDGET = 3
 
@@ -143,9 +143,9 @@ def test_step_ends_mark_the_prefix_after_each_written_step():
 
 
 def test_a_look_at_a_ppo_trainer_compares_critic_gae_and_grpo_with_monte_carlo():
-    from labkit.config import TrainConfig
-    from labkit.microscope import look
-    from labkit.tasks import ArithmeticTask
+    from labkit.probes.microscope import look
+    from labkit.problems.tasks import ArithmeticTask
+    from labkit.settings.config import TrainConfig
     from labkit.trainer import Trainer
     from labkit.zoo import build_tokenizer
 
@@ -169,9 +169,9 @@ def test_a_look_at_a_ppo_trainer_compares_critic_gae_and_grpo_with_monte_carlo()
 
 
 def test_a_run_with_credit_every_logs_its_looks_and_trains_as_without(tmp_path):
-    from labkit.config import TrainConfig
-    from labkit.microscope import read_credit
     from labkit.lab import summary_rows
+    from labkit.probes.microscope import read_credit
+    from labkit.settings.config import TrainConfig
     from labkit.trainer import train
 
     small = dict(algo="ppo", task="think", steps=3, batch_prompts=2, group_size=2, eval_n=8,
@@ -199,9 +199,9 @@ def test_vineppo_extras_hold_monte_carlo_values_at_each_step_boundary():
     and at the end (the reward), nowhere else; vine_samples continuations from each
     boundary before the end; and a run logs their cost."""
     from labkit import stages
-    from labkit.config import TrainConfig
-    from labkit.credit import step_ends
-    from labkit.tasks import ArithmeticTask
+    from labkit.model.credit import step_ends
+    from labkit.problems.tasks import ArithmeticTask
+    from labkit.settings.config import TrainConfig
     from labkit.trainer import Trainer
 
     config = TrainConfig(task="think", estimator="vineppo", vine_samples=3, batch_prompts=2,
@@ -229,9 +229,9 @@ def test_vineppo_extras_hold_monte_carlo_values_at_each_step_boundary():
 def test_a_look_gives_gae_in_the_rewards_units_not_whitened():
     """GAE with lambda = gamma = 1 and no KL telescopes: on each row its advantage at token t
     is r - V(s_t), whatever the whitening PPO applies later."""
-    from labkit.config import TrainConfig
-    from labkit.microscope import look
-    from labkit.tasks import ArithmeticTask
+    from labkit.probes.microscope import look
+    from labkit.problems.tasks import ArithmeticTask
+    from labkit.settings.config import TrainConfig
     from labkit.trainer import Trainer
 
     trainer = Trainer(TrainConfig(algo="ppo", task="think", group_size=2, batch_prompts=2,

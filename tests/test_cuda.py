@@ -27,8 +27,8 @@ def on_cuda(tiny):
 
 @pytest.mark.cuda
 def test_lean_log_probs_and_gradients_match_the_model_forward_on_cuda(on_cuda):
-    from labkit.rollout import rollout
-    from labkit.scoring import fast_forward, model_forward, token_logprobs
+    from labkit.model.rollout import rollout
+    from labkit.model.scoring import fast_forward, model_forward, token_logprobs
 
     model, tokenizer = on_cuda
     batch = rollout(model, tokenizer, PROMPTS, group_size=3, max_new_tokens=8, seed=3)
@@ -49,7 +49,7 @@ def test_lean_log_probs_and_gradients_match_the_model_forward_on_cuda(on_cuda):
 
 @pytest.mark.cuda
 def test_greedy_rollout_matches_generate_on_cuda(on_cuda):
-    from labkit.rollout import encode_prompts, rollout
+    from labkit.model.rollout import encode_prompts, rollout
 
     model, tokenizer = on_cuda
     batch = rollout(model, tokenizer, PROMPTS, group_size=2, max_new_tokens=12, greedy=True)
@@ -68,8 +68,8 @@ def test_greedy_rollout_matches_generate_on_cuda(on_cuda):
 @pytest.mark.cuda
 @pytest.mark.parametrize("algo", ["grpo", "ppo"])
 def test_a_short_bf16_run_trains_on_cuda(tmp_path, algo):
-    from labkit.config import TrainConfig
-    from labkit.rundir import read_log
+    from labkit.run.rundir import read_log
+    from labkit.settings.config import TrainConfig
     from labkit.trainer import train
 
     result = train(TrainConfig(algo=algo, device="cuda", precision="bf16", beta=0.04, steps=3,
@@ -99,7 +99,7 @@ def test_the_qwen_scale_has_qwen2_5_0_5bs_shapes():
     from transformers import AutoModelForCausalLM
 
     from labkit.bench.inputs import QWEN_05B, small_config
-    from labkit.models import load
+    from labkit.model.models import load
 
     _, tokenizer = load(device="cpu")
     config = small_config(QWEN_05B, tokenizer)

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 from cli import in_process
 
-from labkit.dataset_task import DatasetError, load_dataset_task, read_rows
-from labkit.reward_expr import reward_columns, score
-from labkit.tasks import load_gsm8k
+from labkit.problems.dataset_task import DatasetError, load_dataset_task, read_rows
+from labkit.problems.reward_expr import reward_columns, score
+from labkit.problems.tasks import load_gsm8k
 
 FIXTURES = Path(__file__).parent / "fixtures"
 GSM8K = FIXTURES / "gsm8k_layout.jsonl"
@@ -122,7 +122,7 @@ def test_train_runs_two_steps_from_a_file(tmp_path, maker):
 
 
 def test_a_bad_column_is_one_error_line_before_any_model_loads(tmp_path, monkeypatch):
-    from labkit import learner, models
+    from labkit.model import learner, models
 
     def never(*args, **kwargs):
         raise AssertionError("a model was loaded")

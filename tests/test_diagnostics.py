@@ -1,4 +1,4 @@
-"""labkit.estimator_quality against exact expectations: a tabular policy small enough to enumerate,
+"""labkit.probes.estimator_quality against exact expectations: a tabular policy small enough to enumerate,
 binomial rewards with a known MSE, and the embedded model end to end."""
 
 import itertools
@@ -8,11 +8,11 @@ import math
 import pytest
 import torch
 
-from labkit import estimator_quality
-from labkit.config import TrainConfig
-from labkit.estimator_quality import (BASELINE_SCALES, Draw, advantage_rows, baseline_error,
-                                flat_metrics, group_baselines, gradient_noise, measure,
-                                optimal_baseline, surrogate_gradients, v_star)
+from labkit.probes import estimator_quality
+from labkit.probes.estimator_quality import (BASELINE_SCALES, Draw, advantage_rows, baseline_error,
+                                             flat_metrics, gradient_noise, group_baselines, measure,
+                                             optimal_baseline, surrogate_gradients, v_star)
+from labkit.settings.config import TrainConfig
 
 # ----------------------------------------------------------------- a tabular softmax policy
 # B prompts, C possible completions per prompt; pi_b = softmax(theta_b); reward r[b, c] in
@@ -143,7 +143,7 @@ def test_no_baseline_is_the_noisiest(one_thread):
 
 
 def test_surrogate_gradients_against_one_backward_per_row():
-    from labkit.losses import aggregate
+    from labkit.formulas.losses import aggregate
 
     gen = torch.Generator().manual_seed(0)
     theta = torch.nn.Parameter(torch.randn(5, 7, generator=gen, dtype=torch.float64))
@@ -314,8 +314,8 @@ def check_record(record: dict, critic: bool) -> None:
 
 
 def test_lm_path_without_a_critic(tiny):
-    from labkit.diagnose import DiagSettings, diagnose
-    from labkit.tasks import ArithmeticTask
+    from labkit.probes.diagnose import DiagSettings, diagnose
+    from labkit.problems.tasks import ArithmeticTask
 
     model, tokenizer = tiny
     problems = ArithmeticTask().sample(SMALL["prompts"], "test", seed=5, distinct=True)
@@ -332,7 +332,7 @@ def test_lm_path_without_a_critic(tiny):
 
 
 def test_lm_path_with_a_critic_through_a_trainer():
-    from labkit.diagnose import DiagSettings, diagnose_trainer
+    from labkit.probes.diagnose import DiagSettings, diagnose_trainer
     from labkit.trainer import Trainer
 
     trainer = Trainer(TrainConfig(algo="ppo", steps=1, batch_prompts=2, group_size=2,
@@ -347,7 +347,7 @@ def test_lm_path_with_a_critic_through_a_trainer():
 
 
 def test_settings_are_checked():
-    from labkit.diagnose import DiagSettings
+    from labkit.probes.diagnose import DiagSettings
 
     with pytest.raises(ValueError, match="batches must be an int >= 3"):
         DiagSettings(batches=2)
@@ -394,8 +394,8 @@ def _training_figures(records):
 @pytest.mark.parametrize("algo", ["grpo", "ppo"])
 def test_a_run_logs_diagnostics_every_diag_every_steps_without_changing_training(tmp_path,
                                                                                   algo):
-    from labkit.diagnose import DIAG_FILE, read_diagnostics
-    from labkit.metrics import METRICS
+    from labkit.formulas.metrics import METRICS
+    from labkit.probes.diagnose import DIAG_FILE, read_diagnostics
     from labkit.trainer import train
 
     plain = train(TrainConfig(algo=algo, run_dir=str(tmp_path / "plain"), **RUN))
@@ -432,7 +432,7 @@ def test_informative_share_counts_the_subsets_whose_rewards_all_agree():
     formula 1 - p^G - (1-p)^G at the mean p (0/1 rewards)."""
     import itertools
 
-    from labkit.estimator_quality import informative_share
+    from labkit.probes.estimator_quality import informative_share
 
     gen = torch.Generator().manual_seed(0)
     rewards = (torch.rand(5, 7, generator=gen) < torch.tensor([[0.1], [0.5], [0.9], [0.0],
@@ -450,3 +450,12 @@ def test_informative_share_counts_the_subsets_whose_rewards_all_agree():
     assert three[2]["per_prompt"] == pytest.approx(1 - 1 / 6)
     with pytest.raises(ValueError, match="M=7"):
         informative_share(rewards, [8])
+
+
+def test_the_metric_tables_diag_rows_copy_the_diagnostics_estimators():
+    from labkit.formulas.metric_table import BASELINE_SCALES_LOGGED, DIAG_BASELINES, DIAG_GRADIENTS
+    from labkit.probes.estimator_quality import BASELINE_SCALES, CRITIC_ROWS, GROUP_ESTIMATORS
+
+    assert DIAG_BASELINES == GROUP_ESTIMATORS + ("ppo_critic",)
+    assert DIAG_GRADIENTS == GROUP_ESTIMATORS + CRITIC_ROWS
+    assert BASELINE_SCALES_LOGGED == BASELINE_SCALES

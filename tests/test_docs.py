@@ -11,9 +11,9 @@ from unittest import mock
 import pytest
 
 import labkit.__main__ as cli
-from labkit.config import TrainConfig, field_types
 from labkit.lab.runner import check_parameters
 from labkit.lab.sweeps import load_sweep
+from labkit.settings.config import TrainConfig, field_types
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from labkit import preference as P
-from labkit.config import TrainConfig
+from labkit.settings.config import TrainConfig
 from labkit.trainer import Trainer, train
 
 SMOKE = dict(steps=3, batch_prompts=8, group_size=4, max_new_tokens=12, eval_every=3,
@@ -93,7 +93,8 @@ TRL_CASES = [("sigmoid", 0.1, 0.0), ("ipo", 0.1, 0.0), ("robust", 0.1, 0.2), ("s
 @pytest.fixture(scope="module")
 def think():
     """The embedded tiny-arith-think model, whose completions' lengths are its own choice."""
-    from labkit.models import THINK_NAME, load
+    from labkit.model.models import load
+    from labkit.settings.embedded import THINK_NAME
 
     return load(THINK_NAME, device="cpu")
 
@@ -101,7 +102,7 @@ def think():
 def _sampled_pairs(think):
     """Completions of tiny-arith-think (worked and direct, so of different lengths) as
     labkit's batch, and pairs of completions of one prompt between them."""
-    from labkit.rollout import rollout
+    from labkit.model.rollout import rollout
 
     model, tokenizer = think
     prompts = ["3+4+5+1=", "9+8=", "2+7+6+6+3=", "5+5+5="]
@@ -133,7 +134,7 @@ def _grads(model):
 def test_loss_and_gradient_match_trls_dpo_trainer(think, tmp_path, loss_type, beta, eps):
     trl = pytest.importorskip("trl")
     datasets = pytest.importorskip("datasets")
-    from labkit.scoring import model_forward, token_scores
+    from labkit.model.scoring import model_forward, token_scores
 
     batch, chosen, rejected = _sampled_pairs(think)
     reference = copy.deepcopy(think[0]).eval()
@@ -225,7 +226,7 @@ def test_updates_move_the_implied_rewards_of_their_pairs_apart():
 
     assert margins().abs().max() < 1e-4  # the policy is the reference
     for s in range(4):
-        P.update(config, learner, batch, found, ref, s)
+        P.dpo_update(config, learner, batch, found, ref, s)
     after = margins()
     assert after.mean() > 0.05 and (after > 0).float().mean() > 0.6
 
@@ -251,7 +252,7 @@ def test_bad_dpo_settings_are_refused(settings, words):
 
 def test_under_lora_the_reference_is_the_policy_with_adapters_off(tmp_path):
     pytest.importorskip("peft")
-    from labkit.lora import AdaptersOff
+    from labkit.model.lora import AdaptersOff
 
     config = TrainConfig(lora_rank=4, lr=1e-2, **SMOKE)
     trainer = Trainer(config)
@@ -270,7 +271,7 @@ def test_three_steps_match_trls_dpo_trainer_train(think, tmp_path):
     trl = pytest.importorskip("trl")
     datasets = pytest.importorskip("datasets")
     from labkit import stages
-    from labkit.models import load
+    from labkit.model.models import load
 
     config = TrainConfig(task="think", batch_prompts=8, group_size=4, lr=1e-3,
                          warmup_steps=0, schedule="constant", num_iterations=3,
@@ -283,7 +284,7 @@ def test_three_steps_match_trls_dpo_trainer_train(think, tmp_path):
     found = P.pairs(stages.reward(config, problems, batch, 0), config.group_size)
     assert len(found.chosen) >= 4
     ref = stages.no_grad_scores(config, learner.reference, learner, batch, distribution=False)
-    P.update(config, learner, batch, found, ref, 0)
+    P.dpo_update(config, learner, batch, found, ref, 0)
     ours = torch.cat([p.detach().flatten() for p in trainer.policy.parameters()])
 
     policy, tokenizer = load(config.model, device="cpu")

@@ -1,4 +1,4 @@
-"""One reader of a field's value for every entry point (`labkit.fields.parse`): each choice of
+"""One reader of a field's value for every entry point (`labkit.settings.fields.parse`): each choice of
 every choice field, `none` included, reaches config.json unchanged from the command line,
 `diagnose --set`, `run -p`, a sweep's YAML and an arm; every optional field takes `none`; and
 `train --estimator none` trains on the raw rewards."""
@@ -14,11 +14,12 @@ import yaml
 from cli import in_process
 
 from labkit import lab
-from labkit.estimators import ESTIMATORS
-from labkit.config import TASK_SHAPES, TrainConfig
+from labkit.formulas.estimators import ESTIMATORS
 from labkit.lab.runner import check_parameters, config_values, notebook_parameters
 from labkit.lab.sweeps import load_sweep, plan
-from labkit.reward_expr import WRAPPERS, example
+from labkit.problems.reward_expr import WRAPPERS, example
+from labkit.settings.config import TrainConfig
+from labkit.settings.defaults import TASK_SHAPES
 from labkit.trainer import train
 
 REPO = Path(__file__).resolve().parents[1]

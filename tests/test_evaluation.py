@@ -8,8 +8,8 @@ from fractions import Fraction
 import pytest
 import torch
 
-from labkit.evaluation import evaluate, generate, pass_at_k
-from labkit.tasks import DEFAULT_TASK
+from labkit.probes.evaluation import evaluate, generate, pass_at_k
+from labkit.problems.tasks import DEFAULT_TASK
 
 # lengths 4 to 8 characters, so a batch of them is left-padded
 PROMPTS = ["0+0=", "9+10=", "12+34=", "123+45=", "1+2+3+4=", "37+85=", "99+99=", "50+7="]
@@ -160,13 +160,13 @@ def test_sampled_pass_at_1_is_repeatable_and_rng_is_left_alone(tiny, held_out):
     (dict(batch_size=0), "batch_size"),
 ])
 def test_evaluate_bad_arguments(tiny, kwargs, name, monkeypatch):
-    import labkit.evaluation
+    import labkit.probes.evaluation
 
     def no_work(*args, **kw):
         raise AssertionError("generation started before the arguments were checked")
 
-    monkeypatch.setattr(labkit.evaluation, "generate", no_work)
-    monkeypatch.setattr(labkit.evaluation, "rollout", no_work)
+    monkeypatch.setattr(labkit.probes.evaluation, "generate", no_work)
+    monkeypatch.setattr(labkit.probes.evaluation, "rollout", no_work)
     kwargs = {"problems": DEFAULT_TASK.sample(1, "test"), **kwargs}
     with pytest.raises(ValueError, match=name):
         evaluate(*tiny, **kwargs)
@@ -182,8 +182,8 @@ def test_answer_forms_against_counts_by_hand():
 
     from scipy.stats import t as student
 
-    from labkit.evaluation import answer_forms
-    from labkit.tasks import Problem
+    from labkit.probes.evaluation import answer_forms
+    from labkit.problems.tasks import Problem
 
     problems = [Problem("a", "7", steps=("7",)), Problem("b", "12", steps=("7", "12")),
                 Problem("c", "9", steps=("5", "9"))]
@@ -209,8 +209,8 @@ def test_answer_forms_against_counts_by_hand():
 
 
 def test_answer_forms_without_both_forms_on_the_hardest_gives_no_difference():
-    from labkit.evaluation import answer_forms
-    from labkit.tasks import Problem
+    from labkit.probes.evaluation import answer_forms
+    from labkit.problems.tasks import Problem
 
     found = answer_forms([Problem("a", "7", steps=("7",)), Problem("b", "7", steps=("7",))],
                          [D, D, W, W], [0, 0, 1, 1], samples=2)
@@ -225,9 +225,10 @@ def test_the_think_model_card_leaves_room_for_rl():
     answers both ways on fresh held-out problems, working more often right."""
     import json
 
-    from labkit.evaluation import measure_forms
-    from labkit.models import EMBEDDED, THINK_NAME, load
-    from labkit.tasks import ArithmeticTask
+    from labkit.model.models import load
+    from labkit.probes.evaluation import measure_forms
+    from labkit.problems.tasks import ArithmeticTask
+    from labkit.settings.embedded import EMBEDDED, THINK_NAME
     from labkit.zoo.__main__ import problems_with
 
     card = json.loads((EMBEDDED[THINK_NAME] / "card.json").read_text())

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from labkit import stats
 from labkit.__main__ import main
+from labkit.formulas import stats
 from labkit.lab import findings, questions, verdicts
 from labkit.lab.sweeps import load_sweep
 

@@ -6,7 +6,7 @@ before it, with the step's rollout, rewards and seed. Compared: the advantages, 
 gradient of every optimizer step, the step's loss terms, gradient norm and clip fraction (means
 over the optimizer steps), and every weight afterwards. KL is on and not negligible (the
 reference is moved away from the policy first), clipping binds (a second pass over the
-rollout), and each pass has two minibatches.
+rollout), PPO's value clip binds too, and each pass has two minibatches.
 """
 
 import copy
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from labkit import from_scratch
-from labkit.config import TrainConfig
+from labkit.settings.config import TrainConfig
 from labkit.trainer import Trainer
 
 SETTINGS = dict(seed=6, beta=0.1, num_iterations=2, minibatches=2, lr=2e-4, warmup_steps=0,
@@ -27,6 +27,9 @@ steps; without warmup it is high enough from the first for the second pass to cl
 low enough that k3 (exponential in the log-ratio) does not blow the rounding up. Seed 6's
 rollout has completions of two lengths (a token mean is no mean of sequence means) and
 clips on both sides, below (A < 0) and above (A > 0)."""
+VALUE_CLIP = 0.002
+"""PPO's value clip here: small enough that the critic's second pass moves values past it, so
+the clipped branch of the value loss binds and is compared too."""
 TOL = dict(atol=1e-5, rtol=1e-4)
 WEIGHT_RTOL = 5e-3
 FIGURES = {"grpo": ("loss/policy", "loss/kl", "perf/grad_norm", "clip/total"),
@@ -79,7 +82,8 @@ def _assert_same_gradients(theirs: dict, mine: dict, optimizer_steps: int) -> No
 
 @pytest.mark.parametrize("algo", ["grpo", "ppo"])
 def test_a_trainer_step_equals_the_plain_reference(algo):
-    config = TrainConfig(algo=algo, **SETTINGS)
+    config = TrainConfig(algo=algo, **SETTINGS,
+                         **(dict(value_clip=VALUE_CLIP) if algo == "ppo" else {}))
     trainer = Trainer(config)
     learner = trainer.learner
     _move_away(learner.reference)
@@ -110,13 +114,15 @@ def test_a_trainer_step_equals_the_plain_reference(algo):
         out = from_scratch.grpo_step(policy, reference, *rollout, **common)
     else:
         out = from_scratch.ppo_step(policy, reference, critic, *rollout, **common,
-                                    critic_lr=lrs["critic_lr"][:n_steps])
+                                    critic_lr=lrs["critic_lr"][:n_steps], value_clip=VALUE_CLIP)
 
     metrics = result.metrics
     assert 0 < result.rewards.mean() < 1  # mixed groups: the policy loss has a gradient
     assert len(batch.completion_mask.sum(1).unique()) > 1  # lengths differ
     assert metrics["reuse/clip_low"] > 0 and metrics["reuse/clip_high"] > 0  # clip binds
     assert out.metrics["clip/total"] > 0
+    if algo == "ppo":
+        assert metrics["value/clipfrac"] > 0  # the value clip binds
     kl_key = "loss/kl" if algo == "grpo" else "policy/kl"
     assert abs(metrics[kl_key]) > 1e-3  # the KL term is not negligible
     assert metrics["opt/lr"] == pytest.approx(lrs["lr"][n_steps], rel=1e-6)

@@ -9,13 +9,13 @@ import math
 import pytest
 import torch
 
-from labkit import estimators as est
 from labkit import algos, stages, update
-from labkit import losses as L
-from labkit.config import TrainConfig
-from labkit.learner import build_learner, check_full_kl_memory, make_accelerator
-from labkit.rollout import rollout
-from labkit.scoring import fast_forward, model_forward, token_scores
+from labkit.formulas import estimators as est
+from labkit.formulas import losses as L
+from labkit.model.learner import build_learner, check_full_kl_memory, make_accelerator
+from labkit.model.rollout import rollout
+from labkit.model.scoring import fast_forward, model_forward, token_scores
+from labkit.settings.config import TrainConfig
 
 PROMPTS = ["1+2=", "37+85=", "9+90=", "12+34+56="]
 
@@ -204,7 +204,7 @@ def test_a_step_that_would_not_fit_is_refused_before_any_model_runs():
 
 @pytest.mark.parametrize("algo", ["grpo", "ppo"])
 def test_a_run_with_the_exact_kl_logs_it_and_moves_beta(tmp_path, algo):
-    from labkit.rundir import read_log
+    from labkit.run.rundir import read_log
     from labkit.trainer import train
 
     config = TrainConfig(algo=algo, kl_kind="full", beta=0.05, kl_target=0.001, kl_horizon=10,

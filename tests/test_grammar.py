@@ -1,14 +1,17 @@
 """The string forms' one tokenizer (labkit.grammar) and the one reader of a field's value
-(labkit.fields.parse): tokens, quoting, splitting, and one error format that names the field,
+(labkit.settings.fields.parse): tokens, quoting, splitting, and one error format that names the field,
 the text and the column, for every grammar that uses them."""
 
 from typing import Literal
 
 import pytest
 
-from labkit import grammar, lab, policy_losses, reward_expr, stops, trackers
-from labkit.config import TrainConfig
-from labkit.fields import FALSE, TRUE, parse, parse_field
+from labkit import grammar, lab
+from labkit.formulas import policy_losses
+from labkit.problems import reward_expr
+from labkit.run import stops, trackers
+from labkit.settings.config import TrainConfig
+from labkit.settings.fields import FALSE, TRUE, parse, parse_field
 
 # --- the tokenizer ---------------------------------------------------------------------------
 

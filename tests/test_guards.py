@@ -14,11 +14,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from labkit import advantages as adv
-from labkit import losses as L
-from labkit.advantages import NonFiniteError
-from labkit.config import TrainConfig
-from labkit.rewards import RewardError, check_rewards, combine, correctness
+from labkit.formulas import advantages as adv
+from labkit.formulas import losses as L
+from labkit.formulas.advantages import NonFiniteError
+from labkit.problems.rewards import RewardError, check_rewards, combine, correctness
+from labkit.settings.config import TrainConfig
 
 F32_MAX = torch.finfo(torch.float32).max
 AGGS = tuple(L.AGG_MODES)  # the registry's names, in order
@@ -273,9 +273,9 @@ def test_a_nan_reward_stops_the_run_with_one_line_and_a_resumable_checkpoint(
         tmp_path, monkeypatch, capsys):
     """Step 2's rewards are NaN: the command says so in one line (exit 1), the checkpoint
     of step 1 is there, and a resume finishes the run."""
-    import labkit.reward_expr
+    import labkit.problems.reward_expr
     from labkit.__main__ import main
-    from labkit.rundir import latest_checkpoint, load_checkpoint, read_log
+    from labkit.run.rundir import latest_checkpoint, load_checkpoint, read_log
     from labkit.trainer import train
 
     calls = []
@@ -286,7 +286,7 @@ def test_a_nan_reward_stops_the_run_with_one_line_and_a_resumable_checkpoint(
         return [math.nan] * len(scores) if len(calls) == 2 else scores
 
     # the reward the trainer builds from config.reward, NaN-giving
-    monkeypatch.setattr(labkit.reward_expr, "build", lambda spec, field="": nan_on_second_step)
+    monkeypatch.setattr(labkit.problems.reward_expr, "build", lambda spec, field="": nan_on_second_step)
     run_dir = tmp_path / "run"
     args = ["train", "--run-dir", str(run_dir)]
     for key, value in FAST.items():
@@ -309,8 +309,9 @@ def test_a_non_finite_loss_mid_step_is_kept_apart_from_the_resumable_checkpoints
     """With two minibatches the first has already moved the weights when the second's loss
     is NaN: that state is not the end of any step, so no resume may load it as one."""
     import labkit.update
-    from labkit.rundir import CHECKPOINTS, latest_checkpoint
-    from labkit.trainer import RunAborted, train
+    from labkit.records import RunAborted
+    from labkit.run.rundir import CHECKPOINTS, latest_checkpoint
+    from labkit.trainer import train
 
     original, calls = labkit.update.policy_loss_mode, []
 

@@ -9,12 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from test_lean import _random, assert_decoder_matches_model
 
 from labkit import fast
 from labkit.fast import kernels
 from labkit.fast.layer import rope
-
-from test_lean import PROMPTS, _random, assert_decoder_matches_model
 
 
 @pytest.fixture(scope="module")

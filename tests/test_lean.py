@@ -6,13 +6,13 @@ import copy
 
 import pytest
 import torch
-from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM,
-                          Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen2Config,
+                          Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 from labkit import fast
-from labkit.rollout import encode_prompts, model_decoder, rollout, sample
-from labkit.scoring import (ValueModel, fast_forward, fast_hidden, model_forward, model_hidden,
-                            token_logprobs, token_values)
+from labkit.model.rollout import encode_prompts, model_decoder, rollout, sample_tokens
+from labkit.model.scoring import (ValueModel, fast_forward, fast_hidden, model_forward,
+                                  model_hidden, token_logprobs, token_values)
 
 PROMPTS = ["1+2=", "37+85=", "9+90=", "12+34+56="]  # different lengths: left padding matters
 SHAPE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -420,8 +420,8 @@ def test_unsupported_models_are_named_and_fall_back(tiny):
 
 
 def test_accelerates_mixed_precision_wrapper_keeps_the_fast_path(tiny):
-    from labkit.config import TrainConfig
-    from labkit.learner import make_accelerator
+    from labkit.model.learner import make_accelerator
+    from labkit.settings.config import TrainConfig
 
     model, _ = tiny
     accelerator = make_accelerator(TrainConfig(precision="bf16", device="cpu"))
@@ -434,7 +434,7 @@ def test_sample_draws_tokens_with_their_softmax_probabilities():
     logits = torch.tensor([[0.0, 1.0, 2.0, float("-inf")], [3.0, 0.0, 0.0, 0.0]])
     probs = logits.softmax(-1)
     generator = torch.Generator().manual_seed(0)
-    draws = torch.stack([sample(logits, generator) for _ in range(20000)])  # (20000, 2)
+    draws = torch.stack([sample_tokens(logits, generator) for _ in range(20000)])  # (20000, 2)
     for row in range(2):
         freq = torch.bincount(draws[:, row], minlength=4).float() / len(draws)
         # 4 standard errors of a frequency of 20000 draws is at most 0.0142
@@ -457,7 +457,7 @@ def _prompt_passes(model, run):
 
 
 def test_auto_sharing_runs_long_prompts_once_and_short_ones_with_their_rows(tiny, monkeypatch):
-    import labkit.scoring as scoring
+    import labkit.model.scoring as scoring
 
     model, tokenizer = tiny
     batch = _batch(model, tokenizer, group_size=4)  # 4 prompts x 4 rows, P of a few tokens
@@ -483,7 +483,7 @@ def test_small_models_decode_in_fp32_under_cpu_autocast(tiny, monkeypatch):
 
 
 def test_the_optimizer_is_fused_and_steps_like_plain_adamw():
-    from labkit.learner import adamw
+    from labkit.model.learner import adamw
 
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
@@ -505,8 +505,8 @@ def test_the_optimizer_is_fused_and_steps_like_plain_adamw():
 
 def _learner(**fields):
     """(config, learner, tokenizer) as the trainer builds them, for these TrainConfig fields."""
-    from labkit.config import TrainConfig
-    from labkit.learner import build_learner, make_accelerator
+    from labkit.model.learner import build_learner, make_accelerator
+    from labkit.settings.config import TrainConfig
 
     config = TrainConfig(**fields)
     return (config, *build_learner(config, make_accelerator(config)))
@@ -565,7 +565,7 @@ def test_the_kv_strategy_is_chosen_when_the_decoder_is_built(tiny, monkeypatch):
 
 @pytest.mark.parametrize("use_fast", [True, False])
 def test_the_config_chooses_the_passes_once_for_the_learner(use_fast):
-    from labkit.scoring import FAST_PASSES, MODEL_PASSES
+    from labkit.model.scoring import FAST_PASSES, MODEL_PASSES
 
     _, learner, _ = _learner(algo="ppo", device="cpu", fast=use_fast)
     want = FAST_PASSES if use_fast else MODEL_PASSES

@@ -9,15 +9,16 @@ import sys
 
 import pytest
 import torch
-
-from labkit import algos, lora
-from labkit.config import TrainConfig
-from labkit.preflight import preflight
-from labkit.learner import build_learner, learner_state, make_accelerator, restore_learner
-from labkit.rollout import rollout
-from labkit.rundir import rng_state
-from labkit.scoring import model_forward, token_logprobs
 from peers import peer
+
+from labkit import algos
+from labkit.model import lora
+from labkit.model.learner import build_learner, learner_state, make_accelerator, restore_learner
+from labkit.model.rollout import rollout
+from labkit.model.scoring import model_forward, token_logprobs
+from labkit.run.rundir import rng_state
+from labkit.settings.config import TrainConfig
+from labkit.settings.preflight import preflight
 
 PROMPTS = ["1+2=", "37+85=", "9+90=", "12+34+56="]
 
@@ -117,7 +118,7 @@ def test_a_run_saves_the_merged_model_and_the_adapters(qwen_path, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from labkit.models import EMBEDDED_PATH
+    from labkit.settings.embedded import EMBEDDED_PATH
     from labkit.trainer import train
 
     config = TrainConfig(lora_rank=4, lora_alpha=8, steps=2, lr=1e-2, warmup_steps=0,

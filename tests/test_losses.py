@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.testing import assert_close
 
-from labkit import losses as L
-from labkit.advantages import grpo
+from labkit.formulas import losses as L
+from labkit.formulas.advantages import grpo
 
 TOL = dict(rtol=1e-6, atol=1e-6)
 TOL64 = dict(rtol=1e-12, atol=1e-12)
@@ -543,9 +543,9 @@ def test_a_new_aggregation_mode_is_one_decorated_function_and_an_import_path_wor
     per_token = torch.tensor([[1.0, 5.0, 9.0], [2.0, 3.0, 0.0]])
     mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
     assert L.aggregate(per_token, mask, "token-max-for-test").item() == 5.0
-    by_path = L.aggregate(per_token, mask, "labkit.losses:seq_mean_token_mean")
+    by_path = L.aggregate(per_token, mask, "labkit.formulas.losses:seq_mean_token_mean")
     assert torch.equal(by_path, L.aggregate(per_token, mask, "seq-mean-token-mean"))
     with pytest.raises(ValueError, match=r"agg must be one of \['token-mean'.*got 'mean'"):
         L.aggregate(per_token, mask, "mean")
-    with pytest.raises(ValueError, match=r"agg='labkit.losses:kl' must accept .*\(masked, mask"):
-        L.aggregate(per_token, mask, "labkit.losses:kl")
+    with pytest.raises(ValueError, match=r"agg='labkit.formulas.losses:kl' must accept .*\(masked, mask"):
+        L.aggregate(per_token, mask, "labkit.formulas.losses:kl")

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from labkit import metrics as M
+from labkit.formulas import metrics as M
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -459,7 +459,7 @@ def _frac_zero_std(r, g):
 def test_gav_of_grpo_counts_the_mixed_groups(g):
     """grpo (unbiased std, the default): each mixed group contributes sqrt((G-1)/G) up to eps,
     every equal group 0; with the population std, 1."""
-    from labkit.advantages import grpo
+    from labkit.formulas.advantages import grpo
 
     r = _binary_rewards(64, g, seed=g)
     live = 1 - _frac_zero_std(r.tolist(), g)
@@ -471,7 +471,7 @@ def test_gav_of_grpo_counts_the_mixed_groups(g):
 
 @pytest.mark.parametrize("binary", [True, False])
 def test_gav_of_dr_grpo_and_rloo_is_the_group_reward_std(binary):
-    from labkit.advantages import dr_grpo, rloo
+    from labkit.formulas.advantages import dr_grpo, rloo
 
     g = 6
     r = _binary_rewards(32, g, seed=1) if binary else \
@@ -498,8 +498,8 @@ def _plain_gae(rewards, values, mask, gamma, lam):
 
 def test_gav_of_ppo_is_the_gav_of_row_means_of_whitened_gae():
     """PPO: whitened GAE over the batch's tokens, each row reduced to its tokens' mean."""
-    from labkit.advantages import ppo_advantages
-    from labkit.losses import ppo_token_rewards
+    from labkit.formulas.advantages import ppo_advantages
+    from labkit.formulas.losses import ppo_token_rewards
 
     g, n, t_len = 4, 16, 7
     gen = torch.Generator().manual_seed(5)

@@ -1,4 +1,4 @@
-"""labkit.mismatch against plain loops and against verl's rollout correction
+"""labkit.formulas.mismatch against plain loops and against verl's rollout correction
 (`verl.trainer.ppo.rollout_corr_helper`): TIS per token and per sequence, IcePop's band,
 sequence rejection by the geometric-mean ratio."""
 
@@ -8,10 +8,9 @@ import math
 
 import pytest
 import torch
-
-from labkit import mismatch as MM
-
 from peers import peer
+
+from labkit.formulas import mismatch as MM
 
 verl = peer("verl.trainer.ppo.rollout_corr_helper")
 
@@ -83,7 +82,7 @@ def test_stats_and_errors():
 
 
 def _step(**fields):
-    from labkit.config import TrainConfig
+    from labkit.settings.config import TrainConfig
     from labkit.trainer import Trainer
 
     config = TrainConfig(steps=2, batch_prompts=8, group_size=4, max_new_tokens=16, eval_n=4,
@@ -118,7 +117,7 @@ def test_the_bf16_decoder_computes_in_bf16_even_for_a_small_model(tiny):
     the bf16 sampler's decoder does not, and its log-probs of the same greedy tokens move by
     bf16 rounding, not more."""
     from labkit.fast import decoder
-    from labkit.rollout import bf16_fast_decoder, rollout
+    from labkit.model.rollout import bf16_fast_decoder, rollout
 
     model, tokenizer = tiny
     prompts = ["12+34=", "7+8=", "40+2=", "55+5="]
@@ -160,7 +159,7 @@ def test_corrections_weigh_and_reject_in_a_training_step(fields):
 
 
 def test_mismatch_options_are_checked_with_the_config():
-    from labkit.config import TrainConfig
+    from labkit.settings.config import TrainConfig
 
     with pytest.raises(ValueError, match="reject_low and reject_high come together"):
         TrainConfig(reject_low=0.5)

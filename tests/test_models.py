@@ -3,8 +3,10 @@ import string
 import pytest
 import torch
 
-from labkit import models
-from labkit.models import EMBEDDED_PATH, load
+from labkit.model import models
+from labkit.model.models import load
+from labkit.settings import embedded
+from labkit.settings.embedded import EMBEDDED_PATH
 
 
 def test_embedded_model_loads_with_plain_auto_classes():
@@ -102,12 +104,12 @@ def test_the_scratchpad_model_writes_its_running_results():
     import json
     import re
 
-    from labkit.evaluation import evaluate
-    from labkit.tasks import ArithmeticTask
+    from labkit.probes.evaluation import evaluate
+    from labkit.problems.tasks import ArithmeticTask
 
-    path = models.EMBEDDED[models.SCRATCHPAD_NAME]
-    assert models.resolve_model_path(models.SCRATCHPAD_NAME) == str(path)
-    model, tokenizer = load(models.SCRATCHPAD_NAME, device="cpu")
+    path = embedded.EMBEDDED[embedded.SCRATCHPAD_NAME]
+    assert models.resolve_model_path(embedded.SCRATCHPAD_NAME) == str(path)
+    model, tokenizer = load(embedded.SCRATCHPAD_NAME, device="cpu")
     card = json.loads((path / "card.json").read_text())
     task = ArithmeticTask(**{k: card["task"][k] for k in ("digits", "operands",
                                                          "min_operands", "scratchpad")})

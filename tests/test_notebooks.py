@@ -16,7 +16,8 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from labkit import lab, stats
+from labkit import lab
+from labkit.formulas import stats
 
 REPO = Path(__file__).resolve().parents[1]
 NOTEBOOKS = REPO / "notebooks"
@@ -38,6 +39,7 @@ REQUIRED = {
                            "critic_steps", "look_prompts", "look_samples"},
 }
 TYPES = {"int": int, "float": float, "str": str, "bool": bool}
+
 
 def parameters(stem: str) -> dict:
     """name -> (type name, value) of the notebook's `parameters` cell, checking its form."""
@@ -101,10 +103,10 @@ def check_00(summary, records, params):
         assert summary[f"adv_std/{name}"] >= 0
     quantities = {r["quantity"] for r in records}
     assert {"reward", "advantage/rloo", "kl/k3", "surrogate/A=-1/dual clip c=3"} <= quantities
-    from labkit.estimators import ESTIMATORS
-    from labkit.policy_losses import POLICY_LOSSES
+    from labkit.formulas.estimators import ESTIMATORS
+    from labkit.formulas.policy_losses import POLICY_LOSSES
 
-    ours = [n for n, fn in ESTIMATORS.items() if fn.__module__ == "labkit.estimators"]
+    ours = [n for n, fn in ESTIMATORS.items() if fn.__module__ == "labkit.formulas.estimators"]
     assert {f"registered/{n}" for n in ours if n != "gae"} <= quantities
     assert {f"loss_mode/A=+1/{n}" for n in POLICY_LOSSES} <= quantities
 
@@ -340,8 +342,8 @@ def one_thread():
 
 
 def test_live_controls_rerun_into_fresh_folders(tmp_path, one_thread):
-    from labkit.diagnose import read_diagnostics
     from labkit.lab import live as live_figure
+    from labkit.probes.diagnose import read_diagnostics
 
     live = live_figure.LivePlot()
     panel = lab.live_controls(live, run_dir=tmp_path, estimator="rloo", group_size=2, steps=2,

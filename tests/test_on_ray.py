@@ -11,10 +11,10 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from labkit.lab import on_ray, sweeps
 from cli import in_process
 from peers import peer
+
+from labkit.lab import on_ray, sweeps
 
 FIXTURES = Path(__file__).parent / "fixtures"
 

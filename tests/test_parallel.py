@@ -1,4 +1,4 @@
-"""Training on several processes (labkit.parallel): a share's rollout is the whole rollout's
+"""Training on several processes (labkit.model.parallel): a share's rollout is the whole rollout's
 rows, and a 2-process run (gloo, on the CPU) updates and logs what one process does."""
 
 import shutil
@@ -11,12 +11,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from labkit import parallel
-from labkit.update import micro_batch_plan
-from labkit.config import TrainConfig
-from labkit.rollout import rollout
-from labkit.rundir import latest_checkpoint, read_log
+from labkit.model import parallel
+from labkit.model.rollout import rollout
+from labkit.run.rundir import latest_checkpoint, read_log
+from labkit.settings.config import TrainConfig
 from labkit.trainer import train
+from labkit.update import micro_batch_plan
 
 REPO = Path(__file__).resolve().parents[1]
 RUN = ["--steps", "2", "--batch-prompts", "4", "--group-size", "4", "--max-new-tokens", "12",
@@ -120,7 +120,7 @@ def test_a_share_padded_to_the_whole_width_decodes_its_rows_bit_for_bit(tiny, fl
     from labkit import fast
     from labkit.fast import decoder as fast_decoder
     from labkit.fast import kv
-    from labkit.rollout import encode_prompts, model_decoder
+    from labkit.model.rollout import encode_prompts, model_decoder
 
     if not fast_decoder.onednn_packs(torch.float32):
         pytest.skip("needs oneDNN's fp32 packing (an x86 CPU)")
@@ -155,7 +155,7 @@ def test_a_shard_needs_a_seed_and_must_hold_its_prompts(tiny):
 
 
 class _Processes(SimpleNamespace):
-    """The two attributes of an accelerator that labkit.parallel reads."""
+    """The two attributes of an accelerator that labkit.model.parallel reads."""
 
 
 def test_a_rollout_share_is_the_process_block_padded_to_the_whole_width(tiny):
@@ -165,7 +165,7 @@ def test_a_rollout_share_is_the_process_block_padded_to_the_whole_width(tiny):
     assert parallel.rollout_share(prompts, tokenizer, _Processes(num_processes=1,
                                                                  process_index=0)) \
         == (prompts, {})
-    from labkit.rollout import encode_prompts
+    from labkit.model.rollout import encode_prompts
 
     width = encode_prompts(tokenizer, prompts)[0].shape[1]
     share, keywords = parallel.rollout_share(prompts, tokenizer,
@@ -249,9 +249,9 @@ def test_a_script_leaves_the_process_group_at_exit():
     """A script that builds an accelerator under a process group (as `train` does) has
     `parallel.leave` registered to run at exit, once, while the interpreter is whole."""
     done = _under_a_process_group(
-        "from labkit import parallel\n"
-        "from labkit.config import TrainConfig\n"
-        "from labkit.learner import make_accelerator\n"
+        "from labkit.model import parallel\n"
+        "from labkit.settings.config import TrainConfig\n"
+        "from labkit.model.learner import make_accelerator\n"
         "calls = []\n"
         "parallel.leave = lambda real=parallel.leave: (calls.append(1), real())\n"
         "make_accelerator(TrainConfig()); make_accelerator(TrainConfig())\n"

@@ -1,4 +1,4 @@
-"""Parity of labkit's building blocks (labkit.losses, labkit.advantages) with TRL's GRPOTrainer.
+"""Parity of labkit's building blocks (labkit.formulas.losses, labkit.formulas.advantages) with TRL's GRPOTrainer.
 
 TRL's own code is driven on the embedded tiny model; nothing of TRL is re-implemented here:
 
@@ -6,12 +6,12 @@ TRL's own code is driven on the embedded tiny model; nothing of TRL is re-implem
   different lengths, right-padded completions of different lengths, one of them a lone EOS, one
   truncated without EOS; fixed advantages of both signs; old log-probs that differ from the current
   ones so that the PPO clip is active on both sides; reference log-probs when beta > 0). Its
-  `compute_loss` is compared with `labkit.losses.policy_loss` (+ beta * the aggregated k3 KL) on
+  `compute_loss` is compared with `labkit.formulas.losses.policy_loss` (+ beta * the aggregated k3 KL) on
   log-probs computed here with a plain forward pass, for every TRL loss_type, and so are the
   gradients and the clip fractions TRL logs;
 * advantage parity: TRL's `_generate_and_score_completions` is run with a reward function that
   returns fixed rewards, for each `scale_rewards`, and the advantages it produces are compared with
-  `labkit.advantages.grpo`.
+  `labkit.formulas.advantages.grpo`.
 
 Mapping TRL -> labkit (TRL 1.x, trl/trainer/grpo_trainer.py, `_compute_loss`):
     loss_type "grpo"    -> agg="seq-mean-token-mean"
@@ -42,8 +42,8 @@ import torch
 trl = pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
 
-from labkit.models import EMBEDDED_PATH  # noqa: E402
-from labkit.tasks import DEFAULT_TASK  # noqa: E402
+from labkit.problems.tasks import DEFAULT_TASK  # noqa: E402
+from labkit.settings.embedded import EMBEDDED_PATH
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::FutureWarning"),
@@ -78,7 +78,7 @@ def _data():
 
 
 def _trainer(tmp_path, reward_funcs=None, **config):
-    from labkit.rewards import correctness
+    from labkit.problems.rewards import correctness
 
     config = {"per_device_train_batch_size": 6, "num_generations": 2,
               "max_completion_length": MAX_COMPLETION_LENGTH, **config}
@@ -292,7 +292,7 @@ def test_grpo_advantages_match_trl(scale, tmp_path):
         assert (advantages.dr_grpo(rewards, G) - trl_adv).abs().max().item() < TOL
 
 
-# TRL loss types that are labkit loss modes (labkit.policy_losses), with TRL's aggregation:
+# TRL loss types that are labkit loss modes (labkit.formulas.policy_losses), with TRL's aggregation:
 #   cispo -> loss "cispo": TRL clips the weight above only, at the absolute epsilon_high; labkit
 #            clips to [1 - eps_low, 1 + eps_high], so eps_high = epsilon_high - 1 and eps_low =
 #            0.999 (a bound of 0.001 that no ratio here reaches); aggregated as dapo (token-mean)
@@ -339,7 +339,7 @@ def _same_loss_and_grads(model, loss, trl_loss, trl_grads):
 def test_policy_losses_match_trl_compute_loss(case, tmp_path):
     """TRL's cispo, sapo, luspo and vespo loss types against labkit's loss modes on the same
     batch: the loss and the gradient of every weight, to 1e-6 (float32, as TRL computes)."""
-    from labkit.policy_losses import policy_loss_mode
+    from labkit.formulas.policy_losses import policy_loss_mode
 
     loss_type, extra, spec, clip, agg = case
     model, inputs, trl_loss, trl_grads = _trl_side(tmp_path, loss_type, **extra)
@@ -355,8 +355,8 @@ def test_top_entropy_masking_matches_trl_compute_loss(tmp_path):
     """TRL's top_entropy_quantile=0.5 (only the upper half of the tokens by entropy carry the
     loss) == labkit's high_entropy_mask(entropy, mask, 0.5) as the token_weight of the vanilla
     loss, at TRL's grpo aggregation: the loss and every weight's gradient to 1e-6."""
-    from labkit.losses import entropy
-    from labkit.policy_losses import high_entropy_mask, policy_loss_mode
+    from labkit.formulas.losses import entropy
+    from labkit.formulas.policy_losses import high_entropy_mask, policy_loss_mode
 
     model, inputs, trl_loss, trl_grads = _trl_side(tmp_path, "grpo", top_entropy_quantile=0.5)
     mask = inputs["completion_mask"]

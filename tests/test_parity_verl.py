@@ -28,11 +28,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
-from labkit import advantages as adv
-from labkit import estimators as est
-
 from peers import peer
+
+from labkit.formulas import advantages as adv
+from labkit.formulas import estimators as est
 
 verl = peer("verl.trainer.ppo.core_algos")
 AlgoConfig = peer("verl.trainer.config").AlgoConfig
@@ -195,9 +194,9 @@ def test_gae_matches_verl(lam):
 
 @pytest.mark.parametrize("kind", ["k1", "k2", "k3", "abs", "k1+", "k3+", "abs+"])
 def test_kl_kinds_match_verl_kl_penalty(kind):
-    """labkit.losses.kl == verl kl_penalty, value and gradient, float32 to 1e-6 (labkit's k3
+    """labkit.formulas.losses.kl == verl kl_penalty, value and gradient, float32 to 1e-6 (labkit's k3
     uses its Taylor series below |x| = 1e-2, exact to float32 rounding, not to 1e-10)."""
-    from labkit import losses
+    from labkit.formulas import losses
 
     gen = torch.Generator().manual_seed(13)
     logp = -torch.rand(6, 5, generator=gen) * 3
@@ -214,9 +213,9 @@ def test_kl_kinds_match_verl_kl_penalty(kind):
 
 @pytest.mark.parametrize("kl_value", [0.001, 0.05, 0.5])
 def test_adaptive_beta_matches_verl_controller(kl_value):
-    """labkit.losses.adaptive_beta == verl AdaptiveKLController.update over a few steps
+    """labkit.formulas.losses.adaptive_beta == verl AdaptiveKLController.update over a few steps
     (float64 to 1e-12: the same expression in Python floats and numpy)."""
-    from labkit.losses import adaptive_beta
+    from labkit.formulas.losses import adaptive_beta
 
     controller = verl.AdaptiveKLController(init_kl_coef=0.04, target_kl=0.05, horizon=1000)
     beta = 0.04

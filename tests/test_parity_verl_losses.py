@@ -1,4 +1,4 @@
-"""Parity of labkit's policy-loss modes (labkit.policy_losses) with verl's own
+"""Parity of labkit's policy-loss modes (labkit.formulas.policy_losses) with verl's own
 `verl.trainer.ppo.core_algos` policy losses: the same log-probs, old log-probs, advantages and
 mask into both; the scalar loss and its gradient with respect to the log-probs compared.
 
@@ -21,10 +21,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from labkit.policy_losses import policy_loss_mode
-
 from peers import peer
+
+from labkit.formulas.policy_losses import policy_loss_mode
 
 verl = peer("verl.trainer.ppo.core_algos")
 ActorConfig = peer("verl.workers.config").ActorConfig

@@ -10,7 +10,7 @@ import types
 
 import pytest
 
-from labkit import learner
+from labkit.model import learner
 
 
 @pytest.mark.parametrize("platform, maxrss, want_mb", [("linux", 3 * 1024, 3.0),
@@ -49,8 +49,8 @@ def no_resource_for_labkit(name, globals=None, *args, **kwargs):
     return real_import(name, globals, *args, **kwargs)
 builtins.__import__ = no_resource_for_labkit
 import labkit.bench.workers, labkit.trainer
-from labkit.config import TrainConfig
-from labkit.models import load
+from labkit.settings.config import TrainConfig
+from labkit.model.models import load
 load(device="cpu")  # transformers imports its model classes lazily: before the switch below
 psutil = types.ModuleType("psutil")
 info = types.SimpleNamespace(peak_wset=7 * 2**20)

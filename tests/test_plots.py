@@ -8,10 +8,10 @@ import plotly.io as pio
 import pytest
 import torch
 
-from labkit import stats
+from labkit.formulas import stats
 from labkit.lab import live as live_figure
 from labkit.lab import plots
-from labkit.config import TrainConfig
+from labkit.settings.config import TrainConfig
 from labkit.trainer import StepReport
 
 
@@ -170,7 +170,7 @@ def test_loss_mode_weights_are_each_modes_gradient_weight():
     """The weight on grad log pi against the ratio: vanilla rho*A inside its clip and 0 where
     the clip cuts; cispo the clipped ratio everywhere; gpg A whatever the ratio."""
     fig = plots.loss_mode_weights(eps_low=0.2, eps_high=0.28, points=60)
-    from labkit.policy_losses import POLICY_LOSSES
+    from labkit.formulas.policy_losses import POLICY_LOSSES
 
     assert {t.name for t in fig.data} == set(POLICY_LOSSES)
     for a in (1.0, -1.0):
@@ -186,8 +186,8 @@ def test_loss_mode_weights_are_each_modes_gradient_weight():
 
 
 def test_registered_advantages_give_every_critic_free_estimator_per_completion():
-    from labkit import advantages as adv
-    from labkit import estimators as est
+    from labkit.formulas import advantages as adv
+    from labkit.formulas import estimators as est
     from labkit.lab import registered_advantages
 
     r = torch.tensor([1.0, 0.0, 0.0, 1.0])

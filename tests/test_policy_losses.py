@@ -1,4 +1,4 @@
-"""labkit.policy_losses: every policy-loss mode against its formula written as plain loops
+"""labkit.formulas.policy_losses: every policy-loss mode against its formula written as plain loops
 (float64, 1e-10), the stop-gradients against their analytic gradients, the option syntax,
 and one training step with each mode."""
 
@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from labkit import policy_losses as LM
-from labkit.losses import AGG_MODES
+from labkit.formulas import policy_losses as LM
+from labkit.formulas.losses import AGG_MODES
 
 F64 = dict(rtol=1e-10, atol=1e-10)
 
@@ -140,7 +140,7 @@ def test_stop_gradient_modes_have_their_analytic_gradient(name, grad):
 
 
 def test_vanilla_is_the_clipped_surrogate_and_gspo_its_sequence_form():
-    from labkit.losses import policy_loss
+    from labkit.formulas.losses import policy_loss
 
     lp, old, a, mask = _inputs(3)
     for spec, kwargs in (("vanilla", {}), ("gspo", {"level": "sequence"}),
@@ -198,7 +198,7 @@ def test_bad_specs_name_the_option_and_the_rule(spec, words):
 
 
 def test_config_checks_the_loss_and_its_combinations():
-    from labkit.config import TrainConfig
+    from labkit.settings.config import TrainConfig
 
     assert TrainConfig(loss="sapo(tau_pos=2)").loss == "sapo(tau_pos=2)"
     for bad, words in ((dict(loss="sapo(tau=2)"), "sapo takes"),
@@ -215,7 +215,7 @@ def test_config_checks_the_loss_and_its_combinations():
 def test_every_loss_mode_trains_a_step(loss):
     """Two passes over one batch (so the ratio leaves 1) with each mode, on a step whose groups
     have mixed rewards: finite losses, a gradient, and the policy moved."""
-    from labkit.config import TrainConfig
+    from labkit.settings.config import TrainConfig
     from labkit.trainer import Trainer
 
     config = TrainConfig(loss=loss, steps=2, batch_prompts=8, group_size=4, max_new_tokens=16,
@@ -232,10 +232,10 @@ def test_every_loss_mode_trains_a_step(loss):
 def test_docs_variants_lists_every_registered_estimator_and_loss_mode():
     from pathlib import Path
 
-    from labkit.estimators import ESTIMATORS
+    from labkit.formulas.estimators import ESTIMATORS
 
     doc = (Path(__file__).resolve().parents[1] / "docs" / "variants.md").read_text()
-    ours = [n for n, fn in ESTIMATORS.items() if fn.__module__ == "labkit.estimators"]
+    ours = [n for n, fn in ESTIMATORS.items() if fn.__module__ == "labkit.formulas.estimators"]
     assert len(ours) >= 13 and all(f"| `{name}` |" in doc for name in ours), ours
     assert all(f"| `{name}" in doc for name in LM.POLICY_LOSSES), list(LM.POLICY_LOSSES)
 
@@ -252,7 +252,7 @@ def test_high_entropy_mask_keeps_the_top_fraction_of_real_tokens():
 
 
 def test_overlong_penalty_is_dapos_linear_ramp():
-    from labkit.rewards import overlong_penalty
+    from labkit.problems.rewards import overlong_penalty
 
     got = overlong_penalty([3, 12, 13, 14, 16], max_len=16, buffer=4, factor=0.5)
     assert got == pytest.approx([0.0, 0.0, -0.125, -0.25, -0.5])
@@ -262,8 +262,8 @@ def test_overlong_penalty_is_dapos_linear_ramp():
 
 
 def test_kept_rows_drop_truncated_completions_when_asked():
+    from labkit.settings.config import TrainConfig
     from labkit.stages import kept_rows
-    from labkit.config import TrainConfig
 
     r = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 1.0, 0.0])
     cut = torch.tensor([False, True, False, False, False, False, True, False])
@@ -278,7 +278,7 @@ def test_kept_rows_drop_truncated_completions_when_asked():
 @pytest.mark.parametrize("fields", [dict(top_entropy=0.2), dict(mask_truncated=True),
                                     dict(overlong_buffer=4, overlong_penalty=0.5)], ids=str)
 def test_rollout_tail_options_train_a_step(fields):
-    from labkit.config import TrainConfig
+    from labkit.settings.config import TrainConfig
     from labkit.trainer import Trainer
 
     config = TrainConfig(steps=2, batch_prompts=8, group_size=4, max_new_tokens=16, eval_n=4,
@@ -309,7 +309,7 @@ def test_token_weight_multiplies_each_tokens_loss_and_its_gradient():
             torch.testing.assert_close(torch.autograd.grad(weighted, two)[0],
                                        per_token_base * w * mask, **F64)
         else:  # a sequence-level value: the loss is the weighted sum of its tokens' copies
-            from labkit.losses import _surrogate_inputs
+            from labkit.formulas.losses import surrogate_inputs
 
-            per_token, _ = LM.geo_mean(LM.PolicyInputs(*_surrogate_inputs(lp, old, a, mask)))
+            per_token, _ = LM.geo_mean(LM.PolicyInputs(*surrogate_inputs(lp, old, a, mask)))
             torch.testing.assert_close(weighted, (per_token * w * mask).sum(), **F64)

@@ -9,7 +9,7 @@ import pytest
 import yaml
 from cli import in_process
 
-from labkit import stats
+from labkit.formulas import stats
 from labkit.lab import claims, findings, preregistration
 from labkit.lab.sweeps import load_sweep
 

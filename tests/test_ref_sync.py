@@ -8,11 +8,10 @@ import copy
 
 import pytest
 import torch
-
 from crashes import train_then_crash
 
-from labkit.config import TrainConfig
-from labkit.learner import make_accelerator
+from labkit.model.learner import make_accelerator
+from labkit.settings.config import TrainConfig
 from labkit.stages import mix_into
 from labkit.trainer import Trainer, train
 

@@ -6,15 +6,14 @@ recording out."""
 import pytest
 import torch
 import torch.nn.functional as F
+from test_lean import PROMPTS, _random
 
 from labkit import fast
 from labkit.fast import replay as replay_module
 from labkit.fast import training
 from labkit.fast.replay import Recording, replayed
-from labkit.rollout import model_decoder, rollout
-from labkit.scoring import model_forward, token_scores
-
-from test_lean import PROMPTS, _random
+from labkit.model.rollout import model_decoder, rollout
+from labkit.model.scoring import model_forward, token_scores
 
 
 @pytest.fixture
@@ -140,11 +139,11 @@ def test_a_replayed_pass_gives_the_log_probs_and_gradients_of_a_computed_one(
 
 def test_a_rollout_that_stops_at_its_first_token_replays_the_prompts_alone(
         tiny, every_model, replays, monkeypatch):
-    import labkit.rollout
+    import labkit.model.rollout
 
     model, tokenizer = _model("llama-gqa", tiny[1]), tiny[1]
     # every token ends a completion: each row stops at its first, the decode never steps
-    monkeypatch.setattr(labkit.rollout, "eos_ids", lambda *_: list(range(len(tokenizer))))
+    monkeypatch.setattr(labkit.model.rollout, "eos_ids", lambda *_: list(range(len(tokenizer))))
     batch = rollout(model, tokenizer, PROMPTS, group_size=2, max_new_tokens=6, seed=0,
                     keep_outputs=True)
     assert batch.completion_ids.shape[1] == 1 and batch.recording is not None
@@ -158,12 +157,12 @@ def test_a_rollout_that_stops_at_its_first_token_replays_the_prompts_alone(
 
 def test_a_rollout_whose_rows_all_stop_early_replays_the_steps_that_ran(
         tiny, every_model, replays, monkeypatch):
-    import labkit.rollout
+    import labkit.model.rollout
 
     model, tokenizer = _model("qwen2", tiny[1]), tiny[1]
     # three tokens in four end a completion: every row stops within a few tokens
     stops = [i for i in range(len(tokenizer)) if i % 4]
-    monkeypatch.setattr(labkit.rollout, "eos_ids", lambda *_: stops)
+    monkeypatch.setattr(labkit.model.rollout, "eos_ids", lambda *_: stops)
     batch = rollout(model, tokenizer, PROMPTS, group_size=3, max_new_tokens=12, seed=4,
                     keep_outputs=True)
     ran = batch.completion_ids.shape[1] - 1  # decode steps, after the prefill's token
@@ -265,7 +264,7 @@ def test_a_stale_or_foreign_recording_is_not_replayed(tiny, every_model, replays
 def test_the_trainer_replays_the_first_minibatch_and_drops_the_recording(
         tmp_path, every_model, replays):
     from labkit.bench.inputs import TEST_SMALL, build_small_model
-    from labkit.config import TrainConfig
+    from labkit.settings.config import TrainConfig
     from labkit.trainer import Trainer
 
     build_small_model(tmp_path / "model", TEST_SMALL)
@@ -289,7 +288,7 @@ def test_the_trainer_replays_the_first_minibatch_and_drops_the_recording(
 
 
 def test_a_bf16_rollout_is_replayed_by_a_bf16_update(tiny, every_model, replays):
-    from labkit.rollout import bf16_fast_decoder
+    from labkit.model.rollout import bf16_fast_decoder
 
     model, tokenizer = _model("qwen2", tiny[1]), tiny[1]
     with torch.autocast("cpu", dtype=torch.bfloat16):  # bf16 products at any model size

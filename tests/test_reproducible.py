@@ -5,9 +5,9 @@ import json
 import pytest
 import torch
 
-from labkit.config import TrainConfig
 from labkit.reproducible import select_rows
-from labkit.rundir import read_log
+from labkit.run.rundir import read_log
+from labkit.settings.config import TrainConfig
 from labkit.trainer import train
 
 

@@ -13,8 +13,8 @@ import json
 import pytest
 from crashes import train_then_crash
 
-from labkit import rundir
-from labkit.config import TrainConfig
+from labkit.run import rundir
+from labkit.settings.config import TrainConfig
 from labkit.trainer import train
 
 SMALL = dict(steps=5, batch_prompts=2, group_size=4, max_new_tokens=8, eval_every=5, eval_n=8,

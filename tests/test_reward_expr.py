@@ -1,4 +1,4 @@
-"""The rewards a run can be given (`TrainConfig.reward`, labkit.reward_expr), each against a
+"""The rewards a run can be given (`TrainConfig.reward`, labkit.problems.reward_expr), each against a
 plain reference: strict against a regex on the last box, a weighted sum against the sum of
 its parts, noisy's flip rate against the binomial, and an import-path reward against the
 TRL keywords it must receive."""
@@ -10,11 +10,11 @@ import textwrap
 
 import pytest
 
-from labkit import reward_expr
-from labkit.reward_expr import (build, noisy, parse, reward_columns, score, spec_text,
-                                 systematic)
-from labkit.rewards import RewardError, correctness, format_reward, strict
-from labkit.tasks import ArithmeticTask, Problem
+from labkit.problems import reward_expr
+from labkit.problems.reward_expr import (build, noisy, parse, reward_columns, score, spec_text,
+                                         systematic)
+from labkit.problems.rewards import RewardError, correctness, format_reward, strict
+from labkit.problems.tasks import ArithmeticTask, Problem
 
 # (text, ground truth, correctness, strict) for the same texts
 TEXTS = [
@@ -195,7 +195,7 @@ def test_an_import_path_reward_receives_the_trl_keywords(user_module):
     assert got["rest"] == []
     # the same function inside a sum, and in a config
     assert score(f"0.5*{user_module}:seen+format", rows, texts, 0) == [0.5, 1.0, 1.5, 2.0]
-    from labkit.config import TrainConfig
+    from labkit.settings.config import TrainConfig
 
     with pytest.raises(ValueError, match=r"reward=.*positional_only.*signature"):
         TrainConfig(reward=f"{user_module}:positional_only")
@@ -228,7 +228,7 @@ def test_score_checks_the_number_of_rewards(user_module):
     ("correctness(p=0.1)", ["takes no arguments"]),
     ("correctness $", ["unexpected '$'"]),
     ("", ["must be a reward such as"]),
-    ("labkit.rewards:completion_text", ["signature"]),
+    ("labkit.problems.rewards:completion_text", ["signature"]),
 ])
 def test_a_bad_spec_is_one_line_naming_the_field_and_the_rule(spec, words):
     with pytest.raises(ValueError) as e:
@@ -254,7 +254,7 @@ def test_a_bad_list_is_one_line_naming_the_item(spec, words):
 def test_the_trainer_calls_the_configured_reward_with_the_trl_keywords(user_module):
     import torch
 
-    from labkit.config import TrainConfig
+    from labkit.settings.config import TrainConfig
     from labkit.trainer import Trainer, step_seed
 
     small = dict(batch_prompts=2, group_size=2, max_new_tokens=8, eval_n=16, steps=1,

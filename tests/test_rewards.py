@@ -9,13 +9,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from labkit import rewards
-from labkit.answers import extract_answer, gsm8k_ground_truth, last_boxed
-from labkit.rewards import (combine, completion_text, correctness, format_reward,
-                            gsm8k_steps, normalize_scores, shaped, step_completeness)
-
+from labkit.answers import (completion_text, extract_answer, gsm8k_ground_truth, gsm8k_steps,
+                             last_boxed)
+from labkit.problems import rewards
+from labkit.problems.rewards import (combine, correctness, format_reward, normalize_scores, shaped,
+                                     step_completeness)
 
 # ------------------------------------------------------------------------------ answers
+
 
 @pytest.mark.parametrize("text, expected", [
     (r"so \boxed{42}.", "42"),
@@ -377,7 +378,7 @@ def test_normalize_rejects_2d_and_nan():
 
 
 def test_different_integers_are_graded_without_sympy(monkeypatch):
-    import labkit.rewards as R
+    import labkit.problems.rewards as R
 
     def no_sympy(*args, **kwargs):
         raise AssertionError("math-verify was asked about two plain integers")
@@ -402,7 +403,7 @@ def test_the_reward_registry_names_correctness_and_takes_new_rewards():
         return [float(len(c) > 3) for c in completions]
 
     assert rewards.REWARDS.resolve("long_for_test")(["ab", "abcd"], answer=["", ""]) == [0, 1]
-    assert rewards.REWARDS.resolve("labkit.rewards:format_reward") is format_reward
+    assert rewards.REWARDS.resolve("labkit.problems.rewards:format_reward") is format_reward
     with pytest.raises(ValueError, match=r"reward must be one of \['correctness', "):
         rewards.REWARDS.resolve("accuracy", "reward")
     # called as TRL calls it, every argument by keyword (rewards.TRL_KEYWORDS)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from labkit.answers import extract_answer, gsm8k_ground_truth
-from labkit.rewards import correctness
+from labkit.problems.rewards import correctness
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
 SOLUTIONS = DATA / "example_model_solutions.jsonl"

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from labkit import rft
-from labkit.config import TrainConfig
+from labkit.settings.config import TrainConfig
 from labkit.trainer import Trainer, train
 
 SMOKE = dict(steps=3, batch_prompts=8, group_size=4, max_new_tokens=12, eval_every=3,
@@ -40,7 +40,7 @@ def _plain_nll(model, batch, rows):
 
 
 def test_the_loss_is_the_kept_completions_token_mean_nll():
-    from labkit.models import load
+    from labkit.model.models import load
 
     trainer = Trainer(TrainConfig(**SMOKE))
     result = trainer.step(1)

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from labkit.rollout import encode_prompts, filter_logits, rollout
+from labkit.model.rollout import encode_prompts, filter_logits, rollout
 
 PROMPTS = ["1+2=", "37+85=", "9+90=", "12+34+56="]  # different lengths: left padding matters
 
@@ -226,7 +226,7 @@ def test_reserved_cache_gives_the_same_rollout_as_the_growing_cache(tiny, attent
     attention); the plain cache concatenates. Same tokens and log-probs either way."""
     import copy
 
-    import labkit.rollout as module
+    import labkit.model.rollout as module
 
     model, tokenizer = tiny
     model = copy.deepcopy(model)

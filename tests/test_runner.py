@@ -11,8 +11,8 @@ from pathlib import Path
 
 import nbformat
 import pytest
-from cli import in_process
 import yaml
+from cli import in_process
 
 from labkit.lab import report, runner, sweeps
 from labkit.lab.runner import Param, RunFailed, check_parameters, notebook_parameters
@@ -78,7 +78,7 @@ def test_command_line_strings_become_the_declared_types(no_kernel):
     assert isinstance(values["scale"], float)
     assert check_parameters(TINY, {"noisy": "false", "scale": "1e-3"}) == \
         {"noisy": False, "scale": 0.001}
-    # a boolean's spellings are the same at every entry point (labkit.fields.TRUE / FALSE)
+    # a boolean's spellings are the same at every entry point (labkit.settings.fields.TRUE / FALSE)
     for text, value in (("yes", True), ("ON", True), ("1", True), ("no", False),
                         ("Off", False), ("0", False)):
         assert check_parameters(TINY, {"noisy": text}) == {"noisy": value}
@@ -275,7 +275,7 @@ def run_dir_of(stdout: str) -> Path:
 
 def test_labkit_run_end_to_end(tmp_path):
     done = labkit("run", TINY, "-p", "steps", "2", "-p", "label", "hello", "-p", "noisy", "true",
-                  "--root", tmp_path / "runs", cwd=tmp_path)
+                  "--root", tmp_path / "runs", "--json", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     run_dir = run_dir_of(done.stdout)
     assert run_dir.parent == tmp_path / "runs" / "tiny"
@@ -452,3 +452,48 @@ def test_a_kernel_start_failure_is_reported_after_its_last_start(tmp_path, monke
     with pytest.raises(RunFailed, match=re.escape(f"RuntimeError: {message}")):
         runner.execute(TINY, tmp_path, {}, progress=False)
     assert len(calls) == starts
+
+
+def test_run_ends_with_the_table_and_prints_json_only_when_asked(tmp_path, monkeypatch, capsys):
+    """A reader's terminal ends with the summary table (its verdicts); `--json` adds
+    summary.json as a last line for scripts."""
+    import argparse
+
+    from labkit.lab import commands
+
+    summary = {"finding1/verdict": "supported", "finding1/question": "does GRPO gain",
+               "finding1/mean": 3.0, "finding1/low": 1.0, "finding1/high": 5.0}
+    monkeypatch.setattr(commands, "run_notebook", lambda *a, **k: tmp_path)
+    monkeypatch.setattr(commands, "read_summary", lambda run_dir: summary)
+    for asked in (False, True):
+        args = argparse.Namespace(notebook="x.ipynb", parameters=[], name=None, root=None,
+                                  json=asked)
+        assert commands.run_notebook_command(args) == 0
+        last = capsys.readouterr().out.strip().splitlines()[-1]
+        assert last.startswith("{") == asked
+        if asked:
+            assert json.loads(last) == summary
+        else:
+            assert last.startswith("supported") and last.endswith("3 [1, 5]")
+
+
+def test_the_readers_report_has_no_build_lines_and_no_absolute_paths(tmp_path):
+    run_dir = tmp_path / "runs" / "x"
+    run_dir.mkdir(parents=True)
+    nb = nbformat.v4.new_notebook()
+    cell = nbformat.v4.new_code_cell("print(1)")
+    cell.outputs = [
+        nbformat.v4.new_output("stream", name="stderr",
+                               text="labkit.fast.kernels: built the C decode kernels into "
+                                    "/root/.cache/labkit/kernels/k.so\n"),
+        nbformat.v4.new_output("stream", name="stdout",
+                               text=f"wrote {run_dir}/figure.html and {run_dir}\n")]
+    nb.cells = [cell]
+    executed = run_dir / "notebook.ipynb"
+    nbformat.write(nb, executed)
+    readers = report.write_report(executed, run_dir / report.REPORT).read_text()
+    full = report.write_report(executed, run_dir / report.NOTEBOOK_HTML, code=True).read_text()
+    assert "built the C decode kernels" in full and str(run_dir) in full
+    assert "built the C decode kernels" not in readers and "/root/" not in readers
+    assert str(tmp_path) not in readers
+    assert "wrote figure.html and ." in readers

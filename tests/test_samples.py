@@ -1,4 +1,4 @@
-"""The rollout inspector: rollouts.jsonl (labkit.samples), bounded and resumable, its
+"""The rollout inspector: rollouts.jsonl (labkit.probes.samples), bounded and resumable, its
 per-token figures against the models' own passes, and its view (labkit.lab.plots)."""
 
 import json
@@ -9,10 +9,10 @@ import pytest
 import torch
 from crashes import train_then_crash
 
-from labkit import samples
-from labkit.config import TrainConfig
 from labkit.lab import plots
-from labkit.rundir import Log
+from labkit.probes import samples
+from labkit.run.rundir import Log
+from labkit.settings.config import TrainConfig
 from labkit.trainer import Trainer, step_seed, train
 
 SMOKE = dict(batch_prompts=4, group_size=4, max_new_tokens=12, eval_every=100, eval_n=8,
@@ -26,7 +26,7 @@ def test_the_kept_steps_and_the_file_are_bounded(steps, every, groups):
     assert kept[0] == 1 and kept[-1] == steps
     assert all(s % every == 0 for s in kept[1:-1])
     assert len(kept) <= steps // every + 2
-    assert samples.kept_rows(config).tolist() == list(range(groups * 4))
+    assert samples.logged_rows(config).tolist() == list(range(groups * 4))
     assert not any(samples.keeps(TrainConfig(steps=steps, **SMOKE), s)
                    for s in range(1, steps + 1))  # 0: nothing kept
 

@@ -23,8 +23,7 @@ import time
 import pytest
 
 from labkit import sandbox
-from labkit.sandbox import launch
-from labkit.sandbox import (OUTPUT_LIMIT, code_reward, extract_code, isolation,
+from labkit.sandbox import (OUTPUT_LIMIT, code_reward, extract_code, isolation, launch,
                             make_code_reward, run_program)
 
 ADD = "def add(a, b):\n    return a + b\n"

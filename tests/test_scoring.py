@@ -4,8 +4,8 @@ against a row-by-row reference without padding."""
 import pytest
 import torch
 
-from labkit.rollout import rollout
-from labkit.scoring import ValueModel, token_logprobs, token_values
+from labkit.model.rollout import rollout
+from labkit.model.scoring import ValueModel, token_logprobs, token_values
 
 PROMPTS = ["1+2=", "37+85=", "9+90=", "12+34+56="]  # different lengths: left padding matters
 

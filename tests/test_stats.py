@@ -1,10 +1,10 @@
-"""labkit.stats: intervals against textbook values, verdicts on known intervals."""
+"""labkit.formulas.stats: intervals against textbook values, verdicts on known intervals."""
 
 import math
 
 import pytest
 
-from labkit import stats
+from labkit.formulas import stats
 
 # two-sided 95% Student t quantiles from printed tables (df = 2, 4)
 T975 = {2: 4.302653, 4: 2.776445}

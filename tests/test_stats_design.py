@@ -1,4 +1,4 @@
-"""Statistics that fit the claims' designs (labkit.stats): each procedure against a plain
+"""Statistics that fit the claims' designs (labkit.formulas.stats): each procedure against a plain
 reference, and by simulation: over 2,000 simulated experiments the rate of wrong verdicts
 under the null stays <= 6.5% after adjustment, and interval coverage lies within 93.5-96.5%
 (exact discrete procedures: at least 93.5%, they may cover more)."""
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from scipy import stats as sps
 
-from labkit import stats, stats_design
+from labkit.formulas import stats, stats_design
 
 RUNS = 2000
 LOW, HIGH, WRONG = 0.935, 0.965, 0.065

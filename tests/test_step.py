@@ -11,15 +11,16 @@ import pytest
 import torch
 
 import labkit
-from labkit import advantages as adv
 from labkit import algos
-from labkit.config import TrainConfig
+from labkit.formulas import advantages as adv
+from labkit.settings.config import TrainConfig
 from labkit.trainer import Trainer
 
 STEP = dict(batch_prompts=4, group_size=4, max_new_tokens=12, eval_n=4, eval_samples=0,
             cgc_prompts=0, progress=False, lr=5e-4, threads=1)
 PACKAGE = Path(labkit.__file__).parent
-WINGS = {"multi-process": [PACKAGE / "parallel.py"], "mismatch": [PACKAGE / "mismatch.py"],
+WINGS = {"multi-process": [PACKAGE / "model" / "parallel.py"],
+         "mismatch": [PACKAGE / "formulas" / "mismatch.py"],
          "replay": [PACKAGE / "fast" / "replay.py"], "fast": sorted((PACKAGE / "fast").glob("*.py"))}
 
 
@@ -42,7 +43,7 @@ def _files_called(fn) -> set[Path]:
 @pytest.mark.parametrize("algo", ["grpo", "ppo"])
 def test_the_plain_step_calls_no_multi_process_mismatch_replay_or_fast_code(algo):
     """fast=False, one process, no mismatch options: from the rollout to the update, no
-    function of labkit.parallel, labkit.mismatch or labkit.fast runs."""
+    function of labkit.model.parallel, labkit.formulas.mismatch or labkit.fast runs."""
     trainer = Trainer(TrainConfig(algo=algo, fast=False, beta=0.04, minibatches=2, **STEP))
     called = _files_called(lambda: trainer.step(1))
     assert PACKAGE / "update.py" in called and PACKAGE / "stages.py" in called  # it did trace
@@ -52,10 +53,10 @@ def test_the_plain_step_calls_no_multi_process_mismatch_replay_or_fast_code(algo
 
 def test_the_wings_run_when_the_config_asks_for_them():
     """The negative control of the test above: with a sampler temperature (a mismatch to
-    measure) and the fast path, the same trace sees labkit.mismatch and labkit.fast."""
+    measure) and the fast path, the same trace sees labkit.formulas.mismatch and labkit.fast."""
     trainer = Trainer(TrainConfig(sampler_temperature=1.2, mismatch_is="token", **STEP))
     called = _files_called(lambda: trainer.step(1))
-    assert (PACKAGE / "mismatch.py").resolve() in called
+    assert (PACKAGE / "formulas" / "mismatch.py").resolve() in called
     assert called & {f.resolve() for f in WINGS["fast"]}
 
 
@@ -81,7 +82,7 @@ def test_gae_runs_once_a_ppo_step_and_its_returns_are_the_critics_target(monkeyp
 
 FENCE = """
 import sys, tempfile
-from labkit.config import TrainConfig
+from labkit.settings.config import TrainConfig
 from labkit.trainer import train
 train(TrainConfig(fast={fast}, steps=2, batch_prompts=2, group_size=2, max_new_tokens=6,
                   eval_every=1, eval_n=4, eval_samples=2, cgc_prompts=2, beta=0.04,

@@ -6,10 +6,11 @@ import math
 
 import pytest
 
-from labkit.config import TrainConfig
-from labkit.rundir import latest_checkpoint, load_checkpoint, read_log
-from labkit.stops import DEAD_TRUNCATED, DeadRunWatch, StopRule, StopRules, parse
-from labkit.trainer import STOPPED, train
+from labkit.records import STOPPED
+from labkit.run.rundir import latest_checkpoint, load_checkpoint, read_log
+from labkit.run.stops import DEAD_TRUNCATED, DeadRunWatch, StopRule, StopRules, parse
+from labkit.settings.config import TrainConfig
+from labkit.trainer import train
 
 # the trainer's smoke settings, with evaluation cut to the minimum: these runs are about steps
 FAST = dict(batch_prompts=4, group_size=4, max_new_tokens=12, eval_every=1000, eval_n=4,

@@ -16,9 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from labkit.rewards import correctness, step_completeness
-from labkit.tasks import DEFAULT_TASK, GSM8K_TEMPLATE, ArithmeticTask, Problem, format_prompt, \
-    is_worked, load_gsm8k
+from labkit.answers import is_worked
+from labkit.problems.rewards import correctness, step_completeness
+from labkit.problems.tasks import (DEFAULT_TASK, GSM8K_TEMPLATE, ArithmeticTask, Problem,
+                                   format_prompt, load_gsm8k)
 
 GSM8K_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
 

@@ -40,7 +40,7 @@ def test_the_first_report_draws_the_step_zero_evaluation_first(tmp_path):
 
 
 def test_the_signature_table_pairs_start_and_end_within_each_run(tmp_path):
-    from labkit import stats
+    from labkit.formulas import stats
     from labkit.lab.findings import write_records
     from labkit.lab.think import signature
 

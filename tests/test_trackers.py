@@ -9,9 +9,9 @@ import pytest
 from cli import in_process
 from crashes import train_then_crash
 
-from labkit import trackers
-from labkit.config import TrainConfig
-from labkit.rundir import read_log
+from labkit.run import trackers
+from labkit.run.rundir import read_log
+from labkit.settings.config import TrainConfig
 from labkit.trainer import train
 
 SMOKE = dict(steps=4, batch_prompts=4, group_size=4, max_new_tokens=12, eval_every=2,

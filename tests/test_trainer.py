@@ -6,10 +6,10 @@ import torch
 from cli import fresh_process, in_process
 from crashes import train_then_crash
 
-from labkit.config import TrainConfig
-from labkit.rewards import correctness
-from labkit.rundir import latest_checkpoint, read_log
-from labkit.learner import make_accelerator
+from labkit.model.learner import make_accelerator
+from labkit.problems.rewards import correctness
+from labkit.run.rundir import latest_checkpoint, read_log
+from labkit.settings.config import TrainConfig
 from labkit.trainer import train
 
 SMOKE = dict(steps=3, batch_prompts=4, group_size=4, max_new_tokens=12, eval_every=2,
@@ -95,7 +95,7 @@ def _one_update(tmp_path, name, **kwargs):
 @pytest.fixture
 def own_token_mode():
     """A token-normalised aggregation mode registered by name for one test, then removed."""
-    from labkit.losses import AGG_MODES
+    from labkit.formulas.losses import AGG_MODES
 
     @AGG_MODES.register("half-token-mean", normaliser="tokens")
     def half_token_mean(masked, mask, *, max_len=None):
@@ -134,7 +134,7 @@ def test_a_mode_that_does_not_say_what_it_divides_by_cannot_be_accumulated():
 def test_a_row_weight_for_a_token_mode_would_be_caught(monkeypatch, tmp_path):
     """The accumulation test can fail: weighing a token-normalised mode's micro-batches by
     rows (the old rule for any mode it did not name) moves the weights."""
-    from labkit import losses
+    from labkit.formulas import losses
 
     monkeypatch.setattr(losses, "normaliser_of", lambda agg, field="agg": "rows")
     one, _ = _one_update(tmp_path, "one", agg="token-mean", **SIGNAL)
@@ -231,7 +231,8 @@ def test_truncated_completions_score_zero_unless_asked(tmp_path):
 
 
 def _answers(settings):
-    from labkit.trainer import ProblemSource, step_seed
+    from labkit.problems.source import ProblemSource
+    from labkit.trainer import step_seed
 
     config = TrainConfig(**{k: v for k, v in settings.items()})
     problems = ProblemSource(config).draw(step_seed(config, 1))
@@ -257,7 +258,7 @@ STEP = dict(SMOKE, steps=2, eval_n=4, eval_samples=0, cgc_prompts=0)
 
 @pytest.mark.parametrize("algo", ["grpo", "ppo"])
 def test_a_step_result_holds_the_rewards_and_advantages_its_metrics_come_from(algo):
-    from labkit import metrics as M
+    from labkit.formulas import metrics as M
     from labkit.trainer import Trainer, step_seed
 
     config = TrainConfig(algo=algo, **STEP)
@@ -334,7 +335,7 @@ def test_train_draws_each_step_with_step_seed(tmp_path, monkeypatch):
 def test_kl_kind_defaults_per_algorithm_and_an_explicit_choice_wins():
     from typing import get_args, get_type_hints
 
-    from labkit.losses import KL_KINDS
+    from labkit.formulas.losses import KL_KINDS
 
     assert TrainConfig().kl_estimator == "k3" and TrainConfig(algo="ppo").kl_estimator == "k1"
     for kind in KL_KINDS:
@@ -347,7 +348,7 @@ def test_kl_kind_defaults_per_algorithm_and_an_explicit_choice_wins():
 def test_kl_k1_is_the_same_quantity_for_both_algorithms(algo):
     """policy/kl_k1 = mean over real tokens of logp_old - logp_ref, recomputed here from the
     step's batch and the reference, once the policy has moved away from it."""
-    from labkit.scoring import token_logprobs
+    from labkit.model.scoring import token_logprobs
     from labkit.trainer import Trainer
 
     config = TrainConfig(algo=algo, beta=0.1, **dict(STEP, lr=2e-2, warmup_steps=0))
@@ -380,8 +381,8 @@ DEAD = dict(SMOKE, max_new_tokens=1, eval_n=4, eval_samples=0, cgc_prompts=0)
 
 def test_a_run_that_cannot_learn_says_so_records_it_and_stops(tmp_path, capsys):
     from labkit.lab import flat_summary, summary_rows
-    from labkit.stops import DEAD_FILE
-    from labkit.trainer import STOPPED
+    from labkit.records import STOPPED
+    from labkit.run.stops import DEAD_FILE
 
     run = tmp_path / "run"
     result = train(TrainConfig(run_dir=str(run), **dict(DEAD, steps=8, dead_steps=3)))
@@ -403,7 +404,7 @@ def test_a_run_that_cannot_learn_says_so_records_it_and_stops(tmp_path, capsys):
 
 def test_a_dead_run_goes_on_when_asked_and_is_still_recorded(tmp_path, capsys):
     from labkit.lab import summary_rows
-    from labkit.stops import DEAD_FILE
+    from labkit.run.stops import DEAD_FILE
 
     result = train(TrainConfig(run_dir=str(tmp_path / "run"),
                                **dict(DEAD, steps=4, dead_steps=2, stop_when_dead=False)))
@@ -443,7 +444,7 @@ def test_a_dead_spell_shorter_than_k_does_not_stop_the_run(tmp_path):
 def test_every_group_estimator_trains_a_step(estimator):
     """A Trainer step with each registered critic-free estimator: the advantages the step
     used are the estimator's on the step's rewards, mask and extras, and the update is finite."""
-    from labkit.estimators import ESTIMATORS
+    from labkit.formulas.estimators import ESTIMATORS
     from labkit.stages import advantage_inputs, estimator_extras
     from labkit.trainer import Trainer
 
@@ -494,7 +495,7 @@ def test_kl_sits_where_kl_in_puts_it(algo, kl_in, monkeypatch):
 
 
 def test_adaptive_kl_moves_beta_and_a_checkpoint_keeps_it(tmp_path):
-    from labkit.rundir import latest_checkpoint
+    from labkit.run.rundir import latest_checkpoint
 
     """With a target far above any KL the error clips at -0.2: each step multiplies beta by
     1 - 0.2 * N / horizon, and the checkpoint holds the value after the last step's move."""

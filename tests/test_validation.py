@@ -11,10 +11,9 @@ import pytest
 import yaml
 from cli import fresh_process, in_process
 
-from labkit.config import TrainConfig
-
-from labkit.preflight import preflight
-from labkit.rundir import RunLock
+from labkit.run.rundir import RunLock
+from labkit.settings.config import TrainConfig
+from labkit.settings.preflight import preflight
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -89,8 +88,8 @@ BAD_CONFIGS = [
     (dict(stop_rules="value/clipfrac>0.5"), "stop_rules", "algo='ppo'"),
     (dict(stop_rules=["adv/gav>0.45"]), "stop_rules", "string"),
     (dict(estimator="no_such_module:fn"), "estimator", "cannot import"),
-    (dict(agg="labkit.losses:kl"), "agg", "signature"),
-    (dict(reward="labkit.rewards:PARSE_TIMEOUT"), "reward", "not a function"),
+    (dict(agg="labkit.formulas.losses:kl"), "agg", "signature"),
+    (dict(reward="labkit.problems.rewards:PARSE_TIMEOUT"), "reward", "not a function"),
     (dict(reward="accuracy"), "reward", "correctness"),
     (dict(reward="correctness+abc*format"), "reward", "weight is a number"),
     (dict(reward="correctness+0*format"), "reward", "non-zero"),
@@ -98,7 +97,7 @@ BAD_CONFIGS = [
     (dict(reward="noisy"), "reward", "noisy(p=0.2)"),
     (dict(reward="shaped(lam=-1)"), "reward", "lam"),
     (dict(reward=[("correctness", 1.0), ("format", math.inf)]), "reward", "finite"),
-    (dict(reward="labkit.rewards:completion_text"), "reward", "signature"),
+    (dict(reward="labkit.problems.rewards:completion_text"), "reward", "signature"),
     (dict(share_prompt="auto"), "share_prompt", "True, False or None"),
 ]
 
@@ -179,8 +178,8 @@ def test_a_saved_config_from_before_the_fast_field_was_named_reads_lean_as_fast(
     dict(stop_rules="adv/gav>0.45 for 5; rollout/reward_mean >= 0.99"),
     dict(stop_rules=" ; eval/pass@1<0.01 for 2 ;"), dict(stop_rules="eval/pass@4<0.1"),
     dict(beta=0.04, stop_rules="policy/kl>0.5"), dict(dual_clip=3.0, value_clip=None),
-    dict(digits=1, eval_n=8), dict(estimator="labkit.estimators:rloo_estimator"),
-    dict(agg="labkit.losses:token_mean"), dict(reward="labkit.rewards:format_reward"),
+    dict(digits=1, eval_n=8), dict(estimator="labkit.formulas.estimators:rloo_estimator"),
+    dict(agg="labkit.formulas.losses:token_mean"), dict(reward="labkit.problems.rewards:format_reward"),
     dict(reward="strict"), dict(reward="correctness+0.3*format"), dict(reward="shaped(lam=0.5)"),
     dict(reward="noisy(strict, p=0.1)"),
 ], ids=str)
@@ -190,7 +189,7 @@ def test_good_fields_still_pass(fields):
 
 
 def test_scratchpad_loads_the_embedded_scratchpad_model_unless_a_model_is_named():
-    from labkit.models import SCRATCHPAD_NAME
+    from labkit.settings.embedded import SCRATCHPAD_NAME
 
     fields = dict(scratchpad=True, digits=1, operands=5, min_operands=2, max_new_tokens=48)
     assert TrainConfig(**fields).model == SCRATCHPAD_NAME
@@ -199,8 +198,8 @@ def test_scratchpad_loads_the_embedded_scratchpad_model_unless_a_model_is_named(
 
 
 def test_the_think_task_brings_its_model_and_shape_unless_given():
-    from labkit.config import TASK_SHAPES
-    from labkit.models import THINK_NAME
+    from labkit.settings.defaults import TASK_SHAPES
+    from labkit.settings.embedded import THINK_NAME
 
     config = TrainConfig(task="think")
     assert config.model == THINK_NAME
@@ -337,13 +336,13 @@ def test_resuming_a_run_that_is_still_running_is_refused(tmp_path):
 
 def test_eval_checks_before_loading_a_model(monkeypatch, capsys):
     """In process, with model loading forbidden: the checks come first."""
-    import labkit.models
+    import labkit.model.models
     from labkit.__main__ import main
 
     def refuse(*args, **kwargs):
         raise AssertionError("a model was loaded")
 
-    monkeypatch.setattr(labkit.models, "load", refuse)
+    monkeypatch.setattr(labkit.model.models, "load", refuse)
     for args, word in ((["--batch-size", "0"], "--batch-size"), (["--n", "-3"], "--n"),
                        (["--device", "tpu"], "device"), (["--operands", "9"], "operands")):
         assert main(["eval", *args]) == 2
@@ -366,7 +365,7 @@ def test_sweep_checks_every_grid_point_against_the_config_rules(tmp_path):
 
 def test_non_finite_values_parse_but_do_not_pass():
     """`--lr inf` reads as a float; the config is what refuses it."""
-    from labkit.fields import parse_field
+    from labkit.settings.fields import parse_field
 
     assert math.isinf(parse_field(TrainConfig, "lr", "inf"))
     with pytest.raises(ValueError, match="lr must be a finite number"):
@@ -376,7 +375,7 @@ def test_non_finite_values_parse_but_do_not_pass():
 def test_every_field_has_a_docstring_for_the_help():
     from dataclasses import fields
 
-    from labkit.config import field_docs
+    from labkit.settings.config import field_docs
 
     docs = field_docs()
     assert [f.name for f in fields(TrainConfig) if not docs.get(f.name)] == []

@@ -10,9 +10,9 @@ import pytest
 import yaml
 
 from labkit import lab
-from labkit.estimators import ESTIMATORS
+from labkit.formulas.estimators import ESTIMATORS
+from labkit.formulas.policy_losses import POLICY_LOSSES
 from labkit.lab.sweeps import load_sweep, run_sweep
-from labkit.policy_losses import POLICY_LOSSES
 
 REPO = Path(__file__).resolve().parents[1]
 VARIANTS = REPO / "experiments" / "claims" / "10_variants.yaml"
@@ -28,7 +28,7 @@ def test_the_sweep_has_an_arm_for_every_estimator_and_loss_mode():
     estimators = {fields.get("estimator") for fields in arms.values()}
     losses = {fields.get("loss") for fields in arms.values()}
     # claim 10 tests the peers' registries (verl, TRL); vineppo, VinePPO's Monte Carlo
-    # credit (labkit.credit), is not one of them and costs K continuations per step boundary
+    # credit (labkit.model.credit), is not one of them and costs K continuations per step boundary
     critic_free = {n for n in _labkits(ESTIMATORS) if "values" not in ESTIMATORS.needs(n)
                    and "mc_values" not in ESTIMATORS.needs(n)}
     assert critic_free <= estimators, critic_free - estimators
@@ -53,7 +53,7 @@ def test_the_smoke_sweep_runs_and_compares_each_arm_with_the_default(tmp_path):
 
 
 def test_arms_table_gives_each_arm_its_seeds_interval_and_finding():
-    from labkit import stats
+    from labkit.formulas import stats
 
     summary = {"a/seed=0/accuracy_after": 0.5, "a/seed=0/gain": 0.10, "a/seed=0/collapsed": 1,
                "a/seed=1/accuracy_after": 0.6, "a/seed=1/gain": 0.20,

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from labkit import stats
+from labkit.formulas import stats
 from labkit.lab import questions, verdicts
 
 

@@ -4,9 +4,10 @@ import math
 import pytest
 import torch
 
-from labkit.evaluation import evaluate
-from labkit.models import EMBEDDED_PATH, load
-from labkit.tasks import DEFAULT_TASK
+from labkit.model.models import load
+from labkit.probes.evaluation import evaluate
+from labkit.problems.tasks import DEFAULT_TASK
+from labkit.settings.embedded import EMBEDDED_PATH
 from labkit.zoo import Recipe, build, build_tokenizer, sft_batch, train
 
 SMALL = dict(max_steps=6, eval_every=3, target=1.0, dev_size=8, test_size=16, test_samples=2,
@@ -90,7 +91,7 @@ def test_embedded_model_leaves_room_for_rl(tiny):
 def test_trl_grpo_trainer_accepts_the_embedded_model_path(tmp_path):
     datasets = pytest.importorskip("datasets")
     trl = pytest.importorskip("trl")
-    from labkit.rewards import correctness
+    from labkit.problems.rewards import correctness
 
     data = datasets.Dataset.from_list(
         [p.to_record() for p in DEFAULT_TASK.sample(8, "train", seed=0)])

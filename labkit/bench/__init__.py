@@ -49,10 +49,11 @@ from dataclasses import replace
 from pathlib import Path
 
 from labkit.bench.inputs import (QWEN_05B, SMALL, TEST_SMALL, Work, bench_precision,
-                                 build_small_model, long_prompts, tiny_prompts)
+                                  build_small_model, long_prompts, tiny_prompts)
 from labkit.bench.report import pool, pool_table, read_summary, summarize, table
 from labkit.bench.workers import run_worker
-
+from labkit.model import learner
+from labkit.settings.embedded import EMBEDDED_PATH
 
 SCALES = {"full": SMALL, "test": TEST_SMALL, "qwen0.5b": QWEN_05B}
 """--scale: the shapes of the *small* model (the tiny one is always the embedded model)."""
@@ -124,8 +125,6 @@ def run(args) -> dict:
     check_args(args)
     import torch
 
-    from labkit.learner import cpu_bf16_native
-
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     shape = SCALES[args.scale]
     with_lora = args.lora and importlib.util.find_spec("peft") is not None
@@ -134,7 +133,7 @@ def run(args) -> dict:
     stages = Stages(4 * args.rounds + 3 + 2 * with_lora + bool(args.scaling), quiet=args.quiet)
     say, measure = stages.say, stages.counted(run_worker)
     capability = torch.backends.cpu.get_cpu_capability()
-    if args.precision == "bf16" and device == "cpu" and not cpu_bf16_native():
+    if args.precision == "bf16" and device == "cpu" and not learner.cpu_bf16_native():
         print(f"warning: --precision bf16 on a CPU without native bf16 (capability "
               f"{capability}, no AVX512_BF16 or AMX): torch emulates it, slower than fp32; "
               "--precision auto picks fp32 here", file=sys.stderr, flush=True)
@@ -144,7 +143,6 @@ def run(args) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         small_path = Path(tmp) / "small-llama"
         params = build_small_model(small_path, shape)
-        from labkit.models import EMBEDDED_PATH
 
         prompts, answers = tiny_prompts(64)
         tiny = Work(str(EMBEDDED_PATH), tuple(prompts), tuple(answers), max_new_tokens=16,
@@ -154,8 +152,8 @@ def run(args) -> dict:
         small = Work(str(small_path), tuple(long), tuple("0" for _ in long), max_new_tokens=64,
                      precision=bench_precision(args.precision, device, params), **common)
         precision = {"tiny": tiny.precision, "small": small.precision}
-        say(f"[bench] CPU capability {capability}, native bf16 {cpu_bf16_native()}; precision "
-            f"tiny {tiny.precision}, small {small.precision}")
+        say(f"[bench] CPU capability {capability}, native bf16 {learner.cpu_bf16_native()}; "
+            f"precision tiny {tiny.precision}, small {small.precision}")
         if not args.floor:
             say("[bench] no step floor in this run (--floor adds it)")
         for label, work in (("tiny", tiny), ("small", small)):
@@ -299,8 +297,6 @@ def strays(done: list[dict]) -> list[int]:
 
 def _card_params() -> int:
     """The embedded model's parameter count, from its model card."""
-    from labkit.models import EMBEDDED_PATH
-
     return int(json.loads((EMBEDDED_PATH / "card.json").read_text())["parameters"])
 
 

@@ -21,8 +21,13 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from labkit import stats
-from labkit.config import TrainConfig
+from labkit.formulas import stats
+from labkit.model.models import load, resolve_model_path
+from labkit.probes.evaluation import evaluate
+from labkit.problems.rewards import correctness
+from labkit.problems.source import ProblemSource
+from labkit.settings.config import TrainConfig
+from labkit.trainer import step_seed, train
 
 MARGIN = 0.05
 """The claim each evaluation step is asked: labkit's accuracy is within this many (absolute)
@@ -40,8 +45,6 @@ def run_config(seed: int, steps: int, every: int, eval_n: int, run_dir: str,
 
 def labkit_curve(config: TrainConfig) -> dict[int, float]:
     """Held-out accuracy by step of a labkit run of `config`."""
-    from labkit.trainer import train
-
     result = train(config)
     return {r["step"]: r["eval/accuracy"] for r in result.history if "eval/accuracy" in r}
 
@@ -82,8 +85,6 @@ def trl_args(config: TrainConfig, out: str):
 def trl_reward(eos_id: int, budget: int):
     """labkit's correctness reward for TRL, with labkit's rule for a completion cut at the
     budget (no EOS): it scores 0 (`TrainConfig.score_truncated` False)."""
-    from labkit.rewards import correctness
-
     def reward(completions, completion_ids, answer, **_):
         scores = correctness(list(completions), answer=list(answer))
         return [0.0 if len(ids) >= budget and eos_id not in ids else float(s)
@@ -97,10 +98,6 @@ def trl_curve(config: TrainConfig, out: str) -> dict[int, float]:
     settings: the start model and each checkpoint evaluated by labkit."""
     import datasets
     import trl
-
-    from labkit.evaluation import evaluate
-    from labkit.models import load, resolve_model_path
-    from labkit.trainer import ProblemSource, step_seed
 
     source = ProblemSource(config)
     # the prompts of labkit's step s, in order: TRL (no shuffle) takes B of them per step

@@ -7,6 +7,11 @@ import random
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from labkit.model import learner
+from labkit.model.models import load
+from labkit.model.rollout import encode_prompts
+from labkit.problems.tasks import ArithmeticTask, Problem
+
 SMALL = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
              num_attention_heads=8, num_key_value_heads=8)
 """The *small* model: a Llama of ~26 M parameters."""
@@ -33,11 +38,11 @@ def bench_precision(choice: str, device: str, params: int) -> str:
     import torch
 
     from labkit.fast.decoder import CPU_LOW_PRECISION_MIN_PARAMS
-    from labkit.learner import cpu_bf16_native, resolve_precision
 
     if device.startswith("cuda"):
-        return resolve_precision("auto", torch.device(device))
-    return "bf16" if cpu_bf16_native() and params >= CPU_LOW_PRECISION_MIN_PARAMS else "fp32"
+        return learner.resolve_precision("auto", torch.device(device))
+    native = learner.cpu_bf16_native()
+    return "bf16" if native and params >= CPU_LOW_PRECISION_MIN_PARAMS else "fp32"
 
 
 @dataclass(frozen=True)
@@ -63,12 +68,9 @@ class Work:
         B = self.batch_prompts
         return [(step * B + i) % len(self.prompts) for i in range(B)]
 
-
     def step_problems(self, step: int, batch_prompts: int | None = None) -> list:
         """The problems (prompt and answer) of step `step`, `batch_prompts` of them (default:
         the work's), as labkit's `Trainer.step` takes them."""
-        from labkit.tasks import Problem
-
         work = self if batch_prompts is None else replace(self, batch_prompts=batch_prompts)
         return [Problem(self.prompts[i], self.answers[i]) for i in work.step_prompts(step)]
 
@@ -93,8 +95,6 @@ def build_small_model(path: Path, shape: dict) -> int:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from labkit.models import load
-
     _, tokenizer = load(device="cpu")
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(small_config(shape, tokenizer))
@@ -106,9 +106,6 @@ def build_small_model(path: Path, shape: dict) -> int:
 
 def long_prompts(count: int, tokens: int, seed: int = 0) -> list[str]:
     """`count` arithmetic-looking prompts of exactly `tokens` tokens each (with BOS)."""
-    from labkit.models import load
-    from labkit.rollout import encode_prompts
-
     _, tokenizer = load(device="cpu")
     rng = random.Random(seed)
     out = []
@@ -124,7 +121,5 @@ def long_prompts(count: int, tokens: int, seed: int = 0) -> list[str]:
 
 
 def tiny_prompts(count: int) -> tuple[list[str], list[str]]:
-    from labkit.tasks import ArithmeticTask
-
     problems = ArithmeticTask().sample(count, "train", seed=7)
     return [p.prompt for p in problems], [p.answer for p in problems]

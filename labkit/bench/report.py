@@ -7,7 +7,8 @@ import json
 import statistics
 from pathlib import Path
 
-from labkit.stats import Interval, geometric_interval, verdict
+from labkit.formulas.stats import Interval, geometric_interval, verdict
+from labkit.model import learner
 
 TARGETS = {"trl_step_ratio_tiny": ("<=", 0.6), "trl_step_ratio_small": ("<=", 0.4),
            "floor_multiple_small": ("<=", 1.25), "rollout_speedup_small": (">=", 2.0),
@@ -35,8 +36,6 @@ def summarize(results: dict, *, params: int, device: str, precision: dict, args)
     `precision`: each config's, {"tiny": ..., "small": ...})."""
     import torch
 
-    from labkit.learner import cpu_bf16_native
-
     step = {k: median(v["step_s"]) for k, v in results.items()
             if k.startswith(("labkit_", "trl_"))}
     roll = results["rollout"]
@@ -62,7 +61,8 @@ def summarize(results: dict, *, params: int, device: str, precision: dict, args)
         **_lora_figures(results),
         "precision": precision["small"], "precision_tiny": precision["tiny"],
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "cpu_bf16_native": cpu_bf16_native(), "gradient_checkpointing": False, "device": device,
+        "cpu_bf16_native": learner.cpu_bf16_native(), "gradient_checkpointing": False,
+        "device": device,
         "small_params": params, "steps_timed": args.steps, "warmup": args.warmup,
         "rounds": args.rounds, "mode": "quick" if getattr(args, "quick", False) else "full",
         "beta": args.beta, "torch_threads": _threads(), "decode_kernels": kernels_status(),
@@ -93,7 +93,7 @@ def meets(value: float, key: str) -> bool:
 
 
 def target_verdict(interval: Interval, key: str) -> str:
-    """`labkit.stats.verdict` of an interval of figure `key` against its target: supported
+    """`labkit.formulas.stats.verdict` of an interval of figure `key` against its target: supported
     when the whole interval meets it."""
     op, bound = TARGETS[key]
     return verdict(interval, below=bound) if op == "<=" else verdict(interval, above=bound)
@@ -149,7 +149,7 @@ def rounds_to_stable(ratios: list[float]) -> int:
 
 def _round_figures(rounds: list[dict] | None, label: str) -> dict:
     """Each round's labkit / TRL ratio of median steps, their spread, their geometric mean
-    with its 95% interval over the rounds (`labkit.stats.geometric_interval`), and how many
+    with its 95% interval over the rounds (`labkit.formulas.stats.geometric_interval`), and how many
     rounds the running median needed to settle (`rounds_to_stable`); where every round
     measured the floor, each round's labkit step over its floor likewise."""
     if not rounds:
@@ -364,7 +364,7 @@ def _figure(summary: dict, key: str) -> float | None:
 def pool(summaries: list[dict], names: list[str]) -> dict:
     """The target figures over several bench runs on one kind of machine: for each figure
     its value in each run, their geometric mean with the 95% t interval of their logs over
-    the runs, and the verdict against its target (`labkit.stats.verdict`)."""
+    the runs, and the verdict against its target (`labkit.formulas.stats.verdict`)."""
     if len(summaries) < 2:
         raise ValueError(f"--pool needs at least 2 runs to give an interval, got {len(summaries)}")
     for field in SAME_MACHINE:

@@ -6,6 +6,9 @@ from __future__ import annotations
 import time
 
 from labkit.bench.inputs import Work
+from labkit.model.scoring import MODEL_PASSES
+from labkit.settings.config import TrainConfig
+from labkit.trainer import Trainer
 
 
 def sync() -> None:
@@ -18,8 +21,6 @@ def sync() -> None:
 
 def train_config(work: Work, **overrides):
     """labkit's TrainConfig for `work` (its model, shapes, precision, device and seed)."""
-    from labkit.config import TrainConfig
-
     return TrainConfig(model=work.model, batch_prompts=work.batch_prompts,
                        group_size=work.group_size, max_new_tokens=work.max_new_tokens,
                        beta=work.beta, precision=work.precision, device=work.device,
@@ -29,8 +30,6 @@ def train_config(work: Work, **overrides):
 
 def labkit_trainer(work: Work, algo: str = "grpo", **overrides):
     """A `labkit.trainer.Trainer` for `work`, `overrides` on top of its TrainConfig."""
-    from labkit.trainer import Trainer
-
     return Trainer(train_config(work, algo=algo, **overrides))
 
 
@@ -86,6 +85,7 @@ class PromptTimer:
             self.seconds += time.perf_counter() - self._start
             self._start = None
 
+
 TIMES = ("step_s", "rollout_s", "update_s", "prompt_s")
 """Per-step seconds `step_times` records (besides token counts and fingerprints)."""
 
@@ -95,8 +95,6 @@ def step_times(trainer, work: Work, steps: int, warmup: int,
     """Run `warmup + steps` of the trainer's steps on the work's prompts (as many per step as
     the trainer's config asks); per-step seconds after warm-up, with each step's completion
     token count and fingerprint."""
-    from labkit.scoring import MODEL_PASSES
-
     config = trainer.config
     timer = None
     if prompt_width:

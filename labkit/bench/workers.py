@@ -15,7 +15,7 @@ from dataclasses import replace
 from labkit.bench.floor import step_floor
 from labkit.bench.inputs import Work
 from labkit.bench.timing import TIMES, labkit_trainer, step_times, sync
-from labkit.learner import peak_rss_mb
+from labkit.model.learner import peak_rss_mb
 
 MEMORY_LR = 1e-30
 """lr and critic_lr of the memory comparison. A step's memory depends on its shapes, not on
@@ -68,7 +68,7 @@ def worker_trl(work: Work) -> dict:
     import trl
     from transformers import TrainerCallback
 
-    from labkit.rewards import correctness
+    from labkit.problems.rewards import correctness
 
     class StepTimer(TrainerCallback):
         def __init__(self):
@@ -104,8 +104,8 @@ def worker_rollout(work: Work) -> dict:
     """Greedy completion tokens per second: labkit's rollout vs model.generate, same batch."""
     import torch
 
-    from labkit.models import load
-    from labkit.rollout import encode_prompts, rollout
+    from labkit.model.models import load
+    from labkit.model.rollout import encode_prompts, rollout
 
     model, tokenizer = load(work.model, device=work.device, dtype="fp32")
     model.eval()
@@ -151,7 +151,7 @@ def import_trainer_code(work: Work, lora: bool = False) -> None:
     class alone grows a process by over 100 MB of libraries' code and data, by a different
     amount with each install (torch's CUDA build, transformers' version), and by the same
     amount for GRPO and PPO: counted in both peaks it pulls their ratio towards 1."""
-    import math_verify  # noqa: F401  (labkit.rewards imports it on first use)
+    import math_verify  # noqa: F401  (labkit.problems.rewards imports it on first use)
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 

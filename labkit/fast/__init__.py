@@ -7,7 +7,7 @@ in arithmetic). This package runs the same arithmetic from the model's own param
 plain torch operations, with the decoder layer written once (`layer`):
 
 * `backbone(...)` / `lm_forward(...)` (`training`): a teacher-forced pass with autograd,
-  with the contract of the HF forward that `labkit.scoring` uses.
+  with the contract of the HF forward that `labkit.model.scoring` uses.
 * `Decoder` (`decoder`): the rollout's prefill and decode steps on packed weights, reading
   the KV cache through a strategy (`kv`): `FullCache` (the prompt's keys per row) or
   `SharedPrefix` (once per group).
@@ -27,11 +27,12 @@ tests compare against (`tests/test_lean.py`).
 """
 
 from labkit.fast.decoder import (CPU_LOW_PRECISION_MIN_PARAMS, SHARED_PREFIX_MIN_TOKENS, Decoder,
-                                 decoder_or, rollout_dtype)
+                                  decoder_or, rollout_dtype)
 from labkit.fast.kv import FullCache, SharedPrefix
 from labkit.fast.layer import attention_bias, compute_dtype, layer
 from labkit.fast.support import FAMILIES, unsupported
-from labkit.fast.training import FastCache, Forward, backbone, backbone_or, lm_forward, lm_forward_or
+from labkit.fast.training import (FastCache, Forward, backbone, backbone_or, lm_forward,
+                                  lm_forward_or)
 
 __all__ = ["CPU_LOW_PRECISION_MIN_PARAMS", "FAMILIES", "SHARED_PREFIX_MIN_TOKENS", "Decoder",
            "FastCache", "Forward", "FullCache", "SharedPrefix", "attention_bias", "backbone",

@@ -19,11 +19,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from labkit.fast.kv import FullCache, SharedPrefix
 from labkit.fast import kernels as fused_kernels
 from labkit.fast import replay
-from labkit.fast.layer import (attention_bias, compute_dtype, eps_of, head_dims, layer,
-                               rope_tables)
+from labkit.fast.kv import FullCache, SharedPrefix
+from labkit.fast.layer import attention_bias, compute_dtype, eps_of, head_dims, layer, rope_tables
 from labkit.fast.support import decoder_stack, unsupported
 
 SHARED_PREFIX_MIN_TOKENS = 64

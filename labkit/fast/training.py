@@ -1,6 +1,6 @@
 """The teacher-forced pass with autograd (scoring and the update): `backbone`, `lm_forward`.
 
-It has the contract of the HF forward that `labkit.scoring` uses (ids, mask, positions, an
+It has the contract of the HF forward that `labkit.model.scoring` uses (ids, mask, positions, an
 optional KV cache of earlier positions, the last `keep` outputs), and gradients reach the HF
 parameters directly. A frozen model (the reference) runs q, k, v and gate, up as one product
 each, its weights stacked and cast once and kept between calls. Under autocast the products
@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from labkit.fast.layer import (Attend, attention_bias, compute_dtype, eps_of, head_dims, layer,
-                               rope_tables, scaled_tables, weight32)
+                                rope_tables, scaled_tables, weight32)
 from labkit.fast.replay import Replay, replayed
 from labkit.fast.support import decoder_stack, unsupported
 from labkit.reproducible import select_rows
@@ -25,7 +25,7 @@ from labkit.reproducible import select_rows
 
 class FastCache:
     """Keys and values of earlier positions, per layer: (n, Hkv, S, D) each. Quacks like the
-    HF cache where `labkit.scoring` uses one (`batch_select_indices`).
+    HF cache where `labkit.model.scoring` uses one (`batch_select_indices`).
 
     `groups` > 1: the cache holds one row per prompt for `groups` consecutive rows each (a
     group's completions over their shared prompt), and a pass over n = rows x `groups` rows

@@ -16,21 +16,20 @@ controls), `plots` (figures), `live` (notebook 03's live figure), `think` (noteb
 """
 
 from labkit.lab.blocks import (figure_records, group_summary, ppo_row_advantages, problem,
-                               registered_advantages)
-from labkit.lab.experiments import (BUDGETS, DEFAULT_ARMS, NOTEBOOK_DEFAULTS,
-                                    batch_prompts_for, compare, compare_arms,
-                                    first_and_last_rollouts, fresh_dir,
+                                registered_advantages)
+from labkit.lab.experiments import (BUDGETS, DEFAULT_ARMS, NOTEBOOK_DEFAULTS, batch_prompts_for,
+                                    compare, compare_arms, first_and_last_rollouts, fresh_dir,
                                     group_size_runs, histories, informative_prediction,
-                                    live_training, parse_arms, parse_fields, parse_list, project_root,
-                                    resolve_run_dir, run_all, run_config, seed_list, setup)
+                                    live_training, parse_arms, parse_fields, parse_list,
+                                    project_root, resolve_run_dir, run_all, run_config, seed_list,
+                                    setup)
+from labkit.lab.questions import (MONITORS, QUESTIONS, answer, diagnostic_findings, factor_findings,
+                                  informative_findings, monitor_findings)
 from labkit.lab.summaries import (arms_table, describe, describe_diagnostics, describe_sweep,
                                   final_diagnostics, flat_summary, live_outputs, state_mb,
                                   summary_rows, sweep_rows, write_outputs)
-from labkit.lab.questions import (MONITORS, QUESTIONS, answer, diagnostic_findings,
-                                  factor_findings, informative_findings, monitor_findings)
-from labkit.lab.verdicts import (Finding, arm_findings, arm_rows, describe_findings,
-                                 findings_summary, group_size_findings, grpo_vs_ppo,
-                                 algo_findings)
+from labkit.lab.verdicts import (Finding, algo_findings, arm_findings, arm_rows, describe_findings,
+                                 findings_summary, group_size_findings, grpo_vs_ppo)
 from labkit.lab.widgets import live_controls
 
 __all__ = ["BUDGETS", "DEFAULT_ARMS", "MONITORS", "NOTEBOOK_DEFAULTS", "QUESTIONS", "Finding",

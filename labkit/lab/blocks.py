@@ -8,10 +8,10 @@ from collections.abc import Mapping
 
 import torch
 
-from labkit import advantages as adv
-from labkit import estimators as est
-from labkit import losses
-from labkit.tasks import ArithmeticTask, Problem
+from labkit.formulas import advantages as adv
+from labkit.formulas import estimators as est
+from labkit.formulas import losses
+from labkit.problems.tasks import ArithmeticTask, Problem
 
 
 def problem(expression: str) -> Problem:

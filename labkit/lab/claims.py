@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from labkit import stats, stats_design
+from labkit.formulas import stats, stats_design
 from labkit.lab import preregistration
 
 
@@ -69,7 +69,7 @@ class ClaimVerdict:
 
 def claim_verdict(result: ClaimResult) -> ClaimVerdict:
     """The claim-level verdict: the preregistered primary measure read by
-    `labkit.stats_design.decide` from the findings whose question holds the preregistered `finding`
+    `labkit.formulas.stats_design.decide` from the findings whose question holds the preregistered `finding`
     words and the compared arms. Several such findings (one per G, say) must each support
     the claim for it to be supported, and refute it if any refutes it. Every arm against a
     baseline (`compare: [all, ...]`) is decided from the per-seed values together (Dunnett),

@@ -11,7 +11,7 @@ from labkit.lab.findings import run_claims, write_findings
 from labkit.lab.report import REPORT
 from labkit.lab.runner import RunFailed, read_summary, run_notebook
 from labkit.lab.sweeps import CSV_NAME, PLOT_NAME, load_sweep, plan, run_sweep
-from labkit.rundir import RUNS_ROOT
+from labkit.run.rundir import RUNS_ROOT
 
 
 def run_findings_command(args) -> int:
@@ -52,7 +52,8 @@ def run_notebook_command(args) -> int:
         print(f"warning: the notebook wrote no summary.json into {run_dir}", file=sys.stderr)
     else:
         print(summary_table(summary))
-        print(json.dumps(summary))
+        if args.json:  # for scripts; a reader's terminal ends with the verdicts
+            print(json.dumps(summary))
     return 0
 
 

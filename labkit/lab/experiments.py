@@ -15,9 +15,17 @@ from pathlib import Path
 
 import torch
 
-from labkit import grammar, rundir
-from labkit.config import TrainConfig
+from labkit import grammar
 from labkit.lab.progress import write_plan
+from labkit.model.models import load
+from labkit.probes import samples
+from labkit.probes.diagnose import lm_sampler
+from labkit.probes.estimator_quality import informative_share
+from labkit.problems.source import ProblemSource
+from labkit.run import rundir
+from labkit.settings.config import TrainConfig, field_types
+from labkit.settings.config_checks import POLICY_GRADIENT_ONLY
+from labkit.settings.fields import parse, parse_field
 from labkit.trainer import RunResult, StepReport, train
 
 BUDGETS = ("samples", "prompts", "both")  # B*G fixed / B fixed / the two sweeps
@@ -75,9 +83,7 @@ def fresh_dir(path: str | Path) -> Path:
 
 def parse_list(text: str, kind: type = str, field: str = "list") -> list:
     """"grpo,ppo" -> ["grpo", "ppo"]; "2,4,8" with kind=int -> [2, 4, 8]: the items of a
-    comma-separated list (labkit.grammar.items), each read by labkit.fields.parse."""
-    from labkit.fields import parse
-
+    comma-separated list (labkit.grammar.items), each read by labkit.settings.fields.parse."""
     items = grammar.items(str(text), field)
     if not items:
         raise ValueError(f"{field} must be a comma-separated list, got {text!r}")
@@ -166,11 +172,9 @@ def compare(algos: Iterable[str], *, run_dir: str | Path, seed: int = 0, seeds: 
     each samples B x G completions a step (PPO samples G per prompt too; DPO pairs them, RFT
     keeps the rewarded), so the arms of a seed see the same prompts with the same sample
     budget. DPO and RFT runs leave out the overrides only GRPO's and PPO's update reads
-    (`beta`, the clip, ...: `labkit.config_checks.POLICY_GRADIENT_ONLY`). Each run writes
+    (`beta`, the clip, ...: `labkit.settings.config_checks.POLICY_GRADIENT_ONLY`). Each run writes
     `run_dir/<algo>/` (one seed) or `run_dir/<algo>-seed<s>/`; see `run_name`.
     """
-    from labkit.config_checks import POLICY_GRADIENT_ONLY
-
     chosen = seed_list(seed, seeds)
     configs = {}
     for s in chosen:
@@ -195,7 +199,7 @@ def parse_arms(text: str, field: str = "arms") -> dict[str, dict]:
     """"rloo: estimator=rloo; lam03: reward=shaped(lam=0.3), lr=5e-4" -> {arm: {field: value}}:
     arms separated by ';', each 'NAME: FIELD=VALUE, ...' with TrainConfig fields
     (labkit.grammar's tokens; a value holding ',' ';' or ':' is quoted), each value read by
-    labkit.fields.parse. Checked here, before any run starts."""
+    labkit.settings.fields.parse. Checked here, before any run starts."""
     text, arms = str(text), {}
     for part in grammar.split(grammar.tokens(text, field), ";", field, text):
         if not part:
@@ -217,16 +221,13 @@ def parse_arms(text: str, field: str = "arms") -> dict[str, dict]:
 
 def parse_fields(text: str, where: str = "fields") -> dict:
     """"scratchpad=true, max_new_tokens=48" -> {field: value} of TrainConfig fields, each
-    value read by labkit.fields.parse (a value holding ',' is quoted)."""
+    value read by labkit.settings.fields.parse (a value holding ',' is quoted)."""
     text = str(text)
     return _fields(text, grammar.tokens(text, where), where, where)
 
 
 def _fields(text: str, toks: list, field: str, where: str) -> dict:
     """FIELD=VALUE items of `toks`, separated by ',' outside parentheses."""
-    from labkit.config import TrainConfig, field_types
-    from labkit.fields import parse_field
-
     types, out = field_types(), {}
     for item in grammar.split(toks, ",", field, text):
         if not item:
@@ -308,13 +309,8 @@ def informative_prediction(group_sizes: Sequence[int], *, prompts: int = 128,
     """What independence predicts for the share of informative groups (rewards not all
     equal) at each G, at the start of training: `samples` (M) completions of each of
     `prompts` training prompts from the untrained policy, scored as a run with `fields`
-    (TrainConfig) scores them, then `labkit.estimator_quality.informative_share` (each prompt's
+    (TrainConfig) scores them, then `labkit.probes.estimator_quality.informative_share` (each prompt's
     own reward distribution, and the pooled one). {G: {"per_prompt", "at_mean"}}."""
-    from labkit.diagnose import lm_sampler
-    from labkit.estimator_quality import informative_share
-    from labkit.models import load
-    from labkit.tasks import ProblemSource
-
     if samples < max(group_sizes):
         raise ValueError(f"samples={samples} must be >= the largest G ({max(group_sizes)})")
     config = TrainConfig(batch_prompts=prompts, seed=seed, **{**NOTEBOOK_DEFAULTS, **fields})
@@ -355,8 +351,6 @@ def first_and_last_rollouts(results: Mapping[str, RunResult]) -> dict[str, list[
     """The groups kept in rollouts.jsonl (`TrainConfig.rollouts_every`) at the first and the
     last sampled step of the first run of each arm ("grpo-seed1" is arm grpo's second),
     keyed "<run>, step <s>": the columns of `labkit.lab.plots.rollouts`."""
-    from labkit import samples
-
     columns, arms = {}, set()
     for name, result in results.items():
         arm = name.split("-seed")[0]

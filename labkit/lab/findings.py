@@ -7,7 +7,7 @@ runs it; each finished run's `summary.json` carries the notebook's findings
 (`labkit.lab.verdicts.findings_summary`: question, measure, mean, interval, seeds, method,
 threshold). `python -m labkit findings` reads them and writes the page: a row per finding
 with its effect, 95% interval, seeds, method, the CPU kinds its runs were measured on and the
-verdict, recomputed here from the stored interval by `labkit.stats.verdict`, and the
+verdict, recomputed here from the stored interval by `labkit.formulas.stats.verdict`, and the
 commands that regenerate it. A claim whose runs have not finished is listed as not run.
 
 Each claim is decided once, by the primary measure its `preregistered:` block names
@@ -25,13 +25,13 @@ import math
 import sys
 from pathlib import Path
 
-from labkit import stats
+from labkit.formulas import stats
 from labkit.lab import questions, verdicts
 from labkit.lab.claims import ClaimResult, claim_verdict
 from labkit.lab.experiments import project_root
 from labkit.lab.findings_page import render, render_every, write_figures
 from labkit.lab.sweeps import load_sweep, plan, run_sweep
-from labkit.rundir import RUNS_ROOT, git_commit, read_log
+from labkit.run.rundir import RUNS_ROOT, git_commit, read_log
 
 CLAIMS_DIR = Path("experiments") / "claims"
 FINDINGS_PAGE = Path("docs") / "findings.md"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from labkit.lab import plots
 from labkit.lab.claims import ClaimResult, claim_verdict
 
 
@@ -111,8 +112,6 @@ def write_figures(results: list[ClaimResult], folder: str | Path) -> dict[str, s
     {figure_name: the claim's title}. Raises RuntimeError, naming what is missing, when it
     cannot export."""
     import importlib.util
-
-    from labkit.lab import plots
 
     try:
         found = importlib.util.find_spec("kaleido") is not None

@@ -2,7 +2,7 @@
 as training proceeds.
 
 `LivePlot` is a training callback around a 2x2 `go.FigureWidget`. Runs made with
-`TrainConfig.diag_every` log the estimator diagnostics (`labkit.diagnose`,
+`TrainConfig.diag_every` log the estimator diagnostics (`labkit.probes.diagnose`,
 docs/diagnostics.md) on the steps they measure; the figure draws them against the step: the
 baseline's mean squared error against V* and the gradient's relative variance (as trained),
 one line per estimator and run (solid: the GRPO run, dotted: the PPO run, whose policy and
@@ -17,8 +17,10 @@ from __future__ import annotations
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from labkit.formulas.metric_table import DIAG_BASELINES, DIAG_GRADIENTS
 from labkit.lab.plots import TEMPLATE, color
-from labkit.metric_table import DIAG_BASELINES, DIAG_GRADIENTS
+from labkit.probes.diagnose import read_diagnostics
+from labkit.probes.estimator_quality import flat_metrics
 
 PANELS = ("baseline MSE against V* (lower: closer)",
           "gradient relative variance (lower: cleaner)",
@@ -100,8 +102,6 @@ class LivePlot:
         """The step-0 diagnostics of a run, which no StepReport carries."""
         if not (config.diag_every and config.run_dir):
             return
-        from labkit.diagnose import read_diagnostics
-        from labkit.estimator_quality import flat_metrics
 
         for record in read_diagnostics(config.run_dir):
             if record["step"] == 0:

@@ -9,12 +9,12 @@ sweep is loaded, before any run starts:
       compare: [rloo, grpo]  # for a measure between arms: the arm and the baseline (arms of
                              #   the sweep); `all` for every arm against the baseline
       finding: "gains more"  # optional: words of the decisive finding's question
-      direction: above       # above, below, two-sided or equivalent (labkit.stats_design.DIRECTIONS)
+      direction: above       # above, below, two-sided or equivalent (labkit.formulas.stats_design.DIRECTIONS)
       threshold: 0           # the article's magnitude where it gives one, else no effect
       margin: 1.0            # +- this counts as no difference: needed for equivalent
       seeds: 10              # seeds planned per arm (at least MIN_SEEDS)
 
-The claim-level verdict is the primary measure's, read by `labkit.stats_design.decide`; the claim's
+The claim-level verdict is the primary measure's, read by `labkit.formulas.stats_design.decide`; the claim's
 other findings are context. A claim is refused with one line naming the file, the claim and
 the field.
 """
@@ -24,7 +24,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from labkit import stats, stats_design
+from labkit.formulas import stats, stats_design
+from labkit.lab.experiments import DEFAULT_ARMS, parse_arms, parse_list
 
 MEASURES = {
     "gain": "held-out accuracy gained, arm minus baseline, points",
@@ -159,8 +160,6 @@ def sweep_arms(parameters: dict) -> list[str] | None:
     """The arms a claim sweep's notebook runs, from its parameters: notebook 05's `arms`
     (its names), notebook 01's `algos`, notebook 02's `group_sizes` (as 'G=4'); None when
     it runs no arms."""
-    from labkit.lab.experiments import DEFAULT_ARMS, parse_arms, parse_list
-
     if "arms" in parameters:
         return list(parse_arms(parameters["arms"] or DEFAULT_ARMS))
     if "algos" in parameters:

@@ -11,8 +11,9 @@ import math
 import statistics
 from collections.abc import Mapping, Sequence
 
-from labkit import stats
+from labkit.formulas import stats
 from labkit.lab.verdicts import Finding, arm_findings, by_arm, finding
+from labkit.run import stops
 
 
 def factor_findings(rows: Sequence[dict], arms: Mapping[str, Mapping]) -> list[Finding]:
@@ -80,7 +81,7 @@ def _factor_pairs(rows: Sequence[dict], arms: Mapping[str, Mapping], fields: Seq
 MONITORS = ("adv/gav>0.4 for 5", "clip/total>0.2 for 5", "policy/entropy<1 for 5",
             "eval/cgc>=0.15")
 """The source articles' danger lines for the monitoring metrics (docs/metrics.md), as stop
-rules (`labkit.stops`): GAV above 0.4, a clip ratio above 20%, entropy below 1 nat (each on 5
+rules (`labkit.run.stops`): GAV above 0.4, a clip ratio above 20%, entropy below 1 nat (each on 5
 consecutive steps, so one noisy step does not count), CGC at or above 0.15 at an
 evaluation."""
 
@@ -96,8 +97,6 @@ def monitor_findings(rows: Sequence[dict], histories: Mapping[str, Sequence[dict
     as context, each share alone (Clopper-Pearson): fired first (the claim: most, above
     0.5) and false alarms (below 0.5). A share over no runs is left out."""
     from scipy.stats import fisher_exact
-
-    from labkit import stops
 
     found = []
     for text in monitors:
@@ -145,8 +144,6 @@ def monitor_rules() -> list[str]:
 
 def first_fires(history: Sequence[dict], rules: Sequence[str]) -> dict[str, int]:
     """The step at which each rule first fires on `history`, -1 where it never does."""
-    from labkit import stops
-
     out = {}
     for text in rules:
         watch = stops.StopRules(stops.parse(text))
@@ -181,8 +178,6 @@ def swept_monitor_findings(records: Sequence[dict]) -> list[Finding]:
 
 def _fires(rule, history: Sequence[dict], before: int | None = None) -> bool:
     """Whether `rule` fires on `history` (at a step before `before`, when given)."""
-    from labkit import stops
-
     watch = stops.StopRules([rule])
     for record in history:
         if before is not None and record.get("step", 0) >= before:
@@ -195,7 +190,7 @@ def _fires(rule, history: Sequence[dict], before: int | None = None) -> bool:
 def diagnostic_findings(rows: Sequence[dict],
                         histories: Mapping[str, Sequence[dict]]) -> list[Finding]:
     """Which baseline gives the cleaner gradient, from the PPO runs that measured estimator
-    diagnostics (`diag_every`; labkit.estimator_quality: every estimator on the same samples of
+    diagnostics (`diag_every`; labkit.probes.estimator_quality: every estimator on the same samples of
     the run's policy): per run the ratio of the critic's figure to the group mean's, at the
     first and at the last measurement, over runs (geometric mean, t interval of log ratios).
     Raw gradients (no std scaling, no whitening) compare the baselines themselves; the

@@ -66,14 +66,46 @@ def _render_notebook_math(nb) -> None:
                 data["text/html"] = render_math(data.pop("text/latex"))
 
 
+def for_readers(nb, run_dir: str | Path) -> None:
+    """What a reader of the report does not need, taken out of `nb`'s outputs: the stderr
+    streams (progress, build lines such as the decode kernels' cache, warnings: the operator's,
+    kept in notebook.html), and absolute paths, written relative to the run directory (or to
+    the folder the run was started from)."""
+    run_dir = Path(run_dir).resolve()
+    roots = [(f"{run_dir}/", ""), (str(run_dir), "."), (f"{Path.cwd().resolve()}/", "")]
+
+    def relative(text):
+        if isinstance(text, list):
+            return [relative(t) for t in text]
+        for absolute, short in roots:
+            text = text.replace(absolute, short)
+        return text
+
+    for cell in nb.cells:
+        outputs = [o for o in cell.get("outputs", [])
+                   if not (o.get("output_type") == "stream" and o.get("name") == "stderr")]
+        for output in outputs:
+            if "text" in output:
+                output["text"] = relative(output["text"])
+            for kind, value in output.get("data", {}).items():
+                if kind.startswith("text/") or kind == "application/json":
+                    output["data"][kind] = relative(value) if isinstance(value, (str, list)) \
+                        else value
+        if "outputs" in cell:
+            cell["outputs"] = outputs
+
+
 def write_report(executed: str | Path, path: str | Path, code: bool = False) -> Path:
     """An HTML report of an executed notebook that opens offline (module docstring); with
-    `code`, the code cells and their prompts too."""
+    `code`, the code cells and their prompts too (notebook.html); without, a reader's report
+    (`for_readers`)."""
     import jinja2
     import nbformat
     from nbconvert import HTMLExporter
 
     nb = nbformat.read(executed, as_version=4)
+    if not code:
+        for_readers(nb, Path(path).parent)
     _render_notebook_math(nb)
     # embed_images would re-parse the markdown's HTML and empty the MathML elements; the
     # notebooks' markdown holds no images (their outputs' images are inline data already)

@@ -28,6 +28,10 @@ from pathlib import Path
 
 from labkit.lab.progress import NotebookProgress
 from labkit.lab.report import write_reports
+from labkit.run.rundir import RUNS_ROOT, claim_run_dir, new_run_dir
+from labkit.settings.config import TrainConfig, field_types
+from labkit.settings.fields import parse, parse_field
+from labkit.settings.preflight import preflight
 
 PARAM_TYPES = {"int": int, "float": float, "str": str, "bool": bool}
 RUNNER_OWNED = "run_dir"
@@ -144,12 +148,9 @@ def papermill_view(path: str | Path) -> None:
 
 def read_parameter(name: str, value, kind: type, notebook: str | Path = ""):
     """A parameter's value, as text (`run -p`) or as YAML gives it (a sweep), read as the
-    declared type `kind` by `labkit.fields.parse`, the reader of every entry point; a
+    declared type `kind` by `labkit.settings.fields.parse`, the reader of every entry point; a
     parameter named and typed like a `TrainConfig` field is read as that field (`lr` takes
     `none`, `estimator` its choice `none`). ValueError names the parameter and the notebook."""
-    from labkit.config import TrainConfig, field_types
-    from labkit.fields import parse, parse_field
-
     who = f"parameter {name}" + (f" of {Path(notebook).name}" if notebook else "")
     if name != RUNNER_OWNED and field_types().get(name) is kind:
         return parse_field(TrainConfig, name, value, who)
@@ -177,8 +178,6 @@ def check_parameters(path: str | Path, given: dict[str, str]) -> dict:
 def config_values(params: dict[str, Param], values: dict) -> dict:
     """The notebook's values (its defaults overlaid with `values`) of the parameters named
     and typed like a `TrainConfig` field, but `run_dir`: those its TrainConfig receives."""
-    from labkit.config import field_types
-
     types = field_types()
     merged = {key: param.default for key, param in params.items()} | values
     return {key: value for key, value in merged.items()
@@ -191,9 +190,6 @@ def check_config_rules(notebook: str | Path, params: dict[str, Param], values: d
     lr: float, estimator: str) reaches a TrainConfig in the notebook, so it obeys that field's
     rules, checked here with the notebook's other such values (its defaults overlaid with
     `values`) before any kernel starts or model loads. ValueError names the parameter."""
-    from labkit.config import TrainConfig
-    from labkit.preflight import preflight
-
     shared = config_values(params, values)
     if not shared or not set(values) & set(shared):
         return
@@ -292,8 +288,6 @@ def run_notebook(notebook: str | Path, given: dict[str, str], name: str | None =
                  root: str | Path | None = None, progress: bool = True) -> Path:
     """`python -m labkit run`: check the command-line values, make the run directory
     (`root/<name or notebook stem>/<time>-<pid>`, or the given `run_dir`), execute."""
-    from labkit.rundir import RUNS_ROOT, claim_run_dir, new_run_dir
-
     notebook = Path(notebook)
     values = check_parameters(notebook, given)  # before any folder or kernel exists
     chosen = values.pop(RUNNER_OWNED, "")

@@ -10,9 +10,12 @@ from collections.abc import Mapping, Sequence
 from functools import lru_cache
 from pathlib import Path
 
-from labkit import rundir
-from labkit.config import TrainConfig
+from labkit.formulas import stats
 from labkit.lab.experiments import histories
+from labkit.lab.verdicts import by_arm
+from labkit.model.models import load
+from labkit.run import rundir
+from labkit.settings.config import TrainConfig
 from labkit.trainer import RunResult
 
 
@@ -29,8 +32,6 @@ def _mean(values: Sequence[float]) -> float | None:
 @lru_cache(maxsize=8)
 def _parameter_counts(model: str | None) -> tuple[int, int, int]:
     """(policy parameters, backbone parameters, hidden size) of a model."""
-    from labkit.models import load
-
     policy, _ = load(model, device="cpu", dtype="fp32")
     backbone = sum(p.numel() for p in policy.base_model.parameters())
     return sum(p.numel() for p in policy.parameters()), backbone, policy.config.hidden_size
@@ -60,7 +61,7 @@ accuracy before training (accuracy -> 0), or where it was found dead."""
 def collapse_step(history: Sequence[dict], accuracy_before: float,
                   dead: dict | None = None) -> int | None:
     """The step at which a run collapsed (COLLAPSE_TRUNCATED, COLLAPSE_ACCURACY), or None.
-    A dead run (`dead`, labkit.stops.Dead.to_dict()) whose completions were truncated or all
+    A dead run (`dead`, labkit.run.stops.Dead.to_dict()) whose completions were truncated or all
     scored 0 collapsed where its dead spell began, if nothing above came first (a run dead
     because every completion scored alike and well has solved its task)."""
     found = []
@@ -188,8 +189,6 @@ def _arm_means(rows: Sequence[dict]) -> list[dict]:
     """One row per arm (a row's `arm`, else its `run`): the mean over its seeds of accuracy
     before and after, step time, state memory and zero-std fraction, and `seeds`, how
     many."""
-    from labkit.lab.verdicts import by_arm
-
     out = []
     arms = by_arm([{"arm": row["run"], "seed": 0} | row for row in rows])
     for arm, seeds in arms.items():
@@ -337,8 +336,6 @@ def arms_table(summary: Mapping) -> str:
     accuracy after training and its gain, each the mean over the arm's seeds with its 95%
     t interval, the seeds whose run collapsed (of how many), and the finding against the
     baseline (paired difference of gains, verdict)."""
-    from labkit import stats
-
     runs: dict[str, dict[str, dict]] = {}
     for key, value in summary.items():
         parts = key.split("/")

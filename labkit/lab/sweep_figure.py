@@ -1,20 +1,18 @@
 """A sweep's comparison figure, comparison.html: each summary field against the grid's first
 varying parameter, one line per value of the others, the mean over seeds with the spread of
-its seeds (`labkit.lab.sweeps` writes it beside sweep.csv)."""
+its seeds (`labkit.lab.sweeps` writes it beside sweep.csv). `sweep` is a `sweeps.Sweep`,
+`runs` its `sweeps.Run`s (unannotated: this module stands below `sweeps`, which calls it)."""
 
 from __future__ import annotations
 
 import statistics
 from html import escape
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from labkit.lab.runner import finite_or_none, is_number, notebook_parameters
 
-if TYPE_CHECKING:
-    from labkit.lab.sweeps import Run, Sweep
 
-def _x_axis(sweep: Sweep) -> tuple[str | None, list[str]]:
+def _x_axis(sweep) -> tuple[str | None, list[str]]:
     """The parameter on the x axis (the grid's first varying one; None when only seeds vary)
     and the other varying grid parameters, which make one line each."""
     varying = [k for k, v in sweep.grid.items() if len(v) > 1]
@@ -30,7 +28,7 @@ def _spread(values: list) -> tuple:
     return mean, mean - min(values), max(values) - mean
 
 
-def _summary_fields(sweep: Sweep, finished: list[Run]) -> dict[str, list[str]]:
+def _summary_fields(sweep, finished) -> dict[str, list[str]]:
     """The numeric summary keys grouped by field ("grpo/accuracy_after" -> "accuracy_after"),
     without the fields named like a notebook parameter (they echo inputs)."""
     echoed = set(notebook_parameters(sweep.notebook))
@@ -48,7 +46,7 @@ def _error_bars(stats: list[tuple]) -> dict:
                 array=[hi for _, _, hi in stats])
 
 
-def _prefix_points(fig, name: str, members: list[str], finished: list[Run]) -> None:
+def _prefix_points(fig, name: str, members: list[str], finished) -> None:
     """Only seeds vary: one marker per key prefix, the mean over seeds with min/max bars."""
     import plotly.graph_objects as go
 
@@ -59,7 +57,7 @@ def _prefix_points(fig, name: str, members: list[str], finished: list[Run]) -> N
     fig.update_xaxes(type="category")
 
 
-def _grid_lines(fig, name: str, members: list[str], finished: list[Run], x_name: str,
+def _grid_lines(fig, name: str, members: list[str], finished, x_name: str,
                 others: list[str]) -> None:
     """A varying grid parameter on the x axis: a line per key prefix and setting of the other
     varying parameters, the mean over seeds with min/max bars at each x."""
@@ -79,7 +77,7 @@ def _grid_lines(fig, name: str, members: list[str], finished: list[Run], x_name:
                                      mode="lines+markers", error_y=_error_bars(stats)))
 
 
-def write_comparison(sweep: Sweep, runs: list[Run], path: Path) -> Path:
+def write_comparison(sweep, runs, path: Path) -> Path:
     """comparison.html: a figure per numeric summary field, the mean over seeds with min/max
     error bars. Keys "<prefix>/<field>" (e.g. "grpo/accuracy_after") share the field's figure.
     With a varying grid parameter it is the x axis and each prefix and setting of the other

@@ -52,10 +52,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from labkit.lab import preregistration
 from labkit.lab.runner import (PARAMETERS_FILE, RUNNER_OWNED, RunFailed, check_config_rules,
                                execute, is_number, notebook_parameters, read_parameter,
                                read_summary, unknown_names)
 from labkit.lab.sweep_figure import write_comparison
+from labkit.run.rundir import RunLock
 
 KEYS = ("notebook", "name", "parameters", "grid", "seeds", "resources", "smoke", "claim",
         "claims", "replication")
@@ -153,7 +155,6 @@ def load_sweep(path: str | Path, smoke: bool = False) -> Sweep:
     claims = [dict(_mapping(b, f"{where}: claim", CLAIM_KEYS)) for b in blocks]
     checked = _checked(Sweep(notebook, name, parameters, grid, seeds), where)
     if claims:  # what each claim must show, fixed before any of its runs
-        from labkit.lab import preregistration
 
         defaults = {k: p.default for k, p in notebook_parameters(notebook).items()}
         arms = preregistration.sweep_arms(defaults | checked.parameters)
@@ -306,8 +307,6 @@ def run_sweep(sweep: Sweep, root: str | Path, workers: int = 1, progress: bool =
     CPU). The sweep folder's lock is held throughout: a second invocation of the same sweep,
     while this one runs, is refused rather than setting aside or rerunning the runs in
     progress."""
-    from labkit.rundir import RunLock
-
     if backend not in BACKENDS:
         raise ValueError(f"--backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     if workers < (0 if backend == "ray" else 1):

@@ -6,9 +6,9 @@ around a 2x2 `go.FigureWidget` that grows each step: completion length (all, cor
 wrong completions), the share of completions that work, how often each form is right, and
 the held-out accuracy at each evaluation. `train_live` runs one such training run;
 `look_at_ppo` trains a short PPO run and looks at a batch through the credit microscope
-(`labkit.microscope.look`), which `microscope_figure` draws: each estimate's error against the
-Monte Carlo one, token position by token position, and the critic's error after each written
-step. `outputs` writes the notebook's summary.json and metrics.jsonl.
+(`labkit.probes.microscope.look`), which `microscope_figure` draws: each estimate's error
+against the Monte Carlo one, token position by token position, and the critic's error after
+each written step. `outputs` writes the notebook's summary.json and metrics.jsonl.
 """
 
 from __future__ import annotations
@@ -19,10 +19,13 @@ from pathlib import Path
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from labkit.microscope import Microscope, look
+from labkit.formulas import stats
 from labkit.lab.experiments import histories, run_config
+from labkit.lab.findings import read_records
 from labkit.lab.plots import TEMPLATE, color
 from labkit.lab.summaries import flat_summary, summary_rows, write_outputs
+from labkit.probes.microscope import CREDIT_FILE, Microscope, look, read_credit
+from labkit.run import rundir
 from labkit.trainer import RunResult, Trainer, train
 
 PANELS = ("completion length, tokens", "share of completions that work first",
@@ -66,7 +69,6 @@ class LivePlot:
     def __call__(self, report) -> None:
         if not any(trace.x for trace in self.widget.data) and report.config.run_dir:
             # the step-0 evaluation, which no StepReport carries, from the run's own record
-            from labkit import rundir
 
             path = Path(report.config.run_dir) / "metrics.jsonl"
             first = [r for r in rundir.read_log(path) if r.get("step") == 0]
@@ -141,8 +143,6 @@ def credit_figure(root: str | Path, out: str | Path | None = None) -> go.Figure:
     given (kaleido, the `figures` extra)."""
     import math
 
-    from labkit.microscope import CREDIT_FILE, read_credit
-
     records = [read_credit(path.parent)[-1] for path in sorted(Path(root).rglob(CREDIT_FILE))
              if read_credit(path.parent)]
     if not records:
@@ -185,9 +185,6 @@ def signature(path: str | Path) -> str:
     docs/findings/, `findings.write_records`): for the share of worked completions, the mean
     completion length and held-out accuracy, the mean at the start and at the end and the
     change within each run (end - start), a paired t interval over the seeds; as markdown."""
-    from labkit import stats
-    from labkit.lab.findings import read_records
-
     records = read_records(path)
     lines = ["| arm | seeds | figure | start | end | change [95% CI] |", "|---|---|---|---|---|---|"]
     for arm in dict.fromkeys(r["arm"] for r in records):

@@ -1,5 +1,5 @@
 """From runs over paired seeds to answers: each arm's figures with 95% intervals, and a
-verdict per question (`labkit.stats`).
+verdict per question (`labkit.formulas.stats`).
 
 `arm_rows` gives one row per arm (an algorithm, a group size): the mean over its seeds of
 each figure with its t-interval. `grpo_vs_ppo` asks notebook 01's three questions of two
@@ -16,7 +16,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from labkit import stats
+from labkit.formulas import stats
 
 FIGURES = ("accuracy_before", "accuracy_after", "gain", "accuracy_auc", "final_reward",
            "step_s", "mem_mb", "state_mb", "wall_s")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from labkit.estimators import ESTIMATORS
+from labkit.formulas.estimators import ESTIMATORS
 from labkit.lab.experiments import live_training
 from labkit.lab.summaries import live_outputs
 

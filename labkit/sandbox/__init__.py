@@ -2,7 +2,7 @@
 
 `run_program(code, tests)` runs one program in a fresh interpreter and says whether every
 test passed; `code_reward` is the same check as a reward function in TRL's form,
-`fn(completions, tests=..., **kwargs) -> list[float]`, like those of `labkit.rewards`.
+`fn(completions, tests=..., **kwargs) -> list[float]`, like those of `labkit.problems.rewards`.
 
 Each program gets its own process, started from nothing the caller holds:
 
@@ -46,10 +46,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Sequence
 
-from labkit.rewards import completion_text, per_completion
+from labkit.answers import completion_text
+from labkit.checks import per_completion
+from labkit.formulas import stats
 from labkit.sandbox import launch
-from labkit.sandbox.launch import (DEFAULT_MEMORY_MB, DEFAULT_TIMEOUT, FILE_SIZE_MB,
-                                   MIN_MEMORY_MB, OPEN_FILES, SANDBOX_UID, check_limits)
+from labkit.sandbox.launch import (DEFAULT_MEMORY_MB, DEFAULT_TIMEOUT, FILE_SIZE_MB, MIN_MEMORY_MB,
+                                   OPEN_FILES, SANDBOX_UID, check_limits)
 from labkit.sandbox.policy import BLOCKED_MODULES, BLOCKED_PREFIXES
 from labkit.sandbox.verdict import OUTPUT_LIMIT, REPORT_LIMIT, STATUSES, ExecResult
 
@@ -252,8 +254,6 @@ def main(argv: list[str] | None = None) -> int:
         key = "" if name == "boundary" else "_older_layers"
         summary[f"samples_per_s_workers_{workers}{key}"] = [round(v, 1) for v in values]
     if args.compare and args.rounds >= 2:
-        from labkit import stats
-
         for workers in args.workers:  # ms a program costs more behind the boundary
             jail = [1000 / v for v in rates[("boundary", workers)]]
             plain = [1000 / v for v in rates[("older layers", workers)]]

@@ -21,7 +21,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from labkit.tasks import ArithmeticTask, Problem
+from labkit.probes.evaluation import evaluate, measure_forms
+from labkit.problems.tasks import ArithmeticTask, Problem
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 CHARS = ["\n", "\t"] + [chr(i) for i in range(32, 127)]
@@ -163,8 +164,6 @@ def sft_batch(tokenizer, problems: list[Problem]) -> dict[str, torch.Tensor]:
 def train(recipe: Recipe, progress: bool = True):
     """Supervised warm start on `recipe.task()`; returns (model, tokenizer, log) with the dev
     curve in `log`."""
-    from labkit.evaluation import evaluate
-
     task = recipe.task()
     random.seed(recipe.seed)
     torch.manual_seed(recipe.seed)
@@ -204,8 +203,6 @@ def build(out: str | Path, recipe: Recipe | None = None, progress: bool = True,
           name: str = "tiny-arith") -> dict:
     """Train an embedded model, measure it on held-out problems, and save it with its card
     (`name` heads the card)."""
-    from labkit.evaluation import evaluate, measure_forms
-
     recipe = recipe or Recipe()
     task = recipe.task()
     start = time.perf_counter()

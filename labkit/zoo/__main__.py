@@ -7,8 +7,8 @@ import dataclasses
 import json
 import sys
 
-from labkit.fields import parse_field
-from labkit.models import EMBEDDED
+from labkit.settings.embedded import EMBEDDED
+from labkit.settings.fields import parse_field
 from labkit.zoo import PRESETS, Recipe, build
 
 LOW, HIGH = 0.15, 0.60

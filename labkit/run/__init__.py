@@ -1,0 +1,2 @@
+"""A run on disk: its directory (config, the JSONL logs, checkpoints, the lock), its stop
+rules and its trackers."""
