@@ -164,3 +164,13 @@ def test_eval_of_the_think_task_reports_the_answer_forms():
     assert forms["samples"] == 2 and 0 <= forms["worked"]["mean"] <= 1
     assert set(forms["by_difficulty"]) <= {"2", "3", "4", "5"}
     assert sum(row["draws"] for row in forms["by_difficulty"].values()) == 80
+
+
+@pytest.mark.parametrize("command", ["train", "eval", "run", "sweep", "findings", "bench",
+                                     "diagnose"])
+def test_every_help_renders_its_percent_signs(command):
+    """argparse formats help= strings (95%% -> 95%) but not a description: neither may show
+    a doubled sign."""
+    done = in_process(command, "--help")
+    assert done.returncode == 0
+    assert "%%" not in done.stdout

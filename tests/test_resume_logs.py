@@ -71,7 +71,9 @@ def test_a_killed_and_resumed_run_logs_each_line_once(tmp_path, case):
 
 
 def test_a_run_killed_before_its_first_checkpoint_starts_over(tmp_path):
-    settings = dict(SMALL, **dict(CASES["think, diagnostics and credit"], checkpoint_every=5))
+    settings = dict(SMALL, algo="ppo", diag_every=2, diag_prompts=2, diag_batches=3,
+                    diag_samples=2, credit_every=2, credit_prompts=1, credit_samples=2,
+                    checkpoint_every=5)
     whole = train(TrainConfig(run_dir=str(tmp_path / "whole"), **settings)).run_dir
     cut = tmp_path / "cut"
     train_then_crash(TrainConfig(run_dir=str(cut), **settings), after_step=4)
