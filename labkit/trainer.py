@@ -31,6 +31,7 @@ from labkit.model.learner import (build_learner, learner_state, machine, make_ac
 from labkit.model.rollout import RolloutBatch
 from labkit.probes import samples
 from labkit.probes.evaluation import run_eval
+from labkit.probes.tensor_memory import TensorPeak
 from labkit.problems.rewards import RewardError, correctness
 from labkit.problems.source import ARITHMETIC, ProblemSource
 from labkit.problems.tasks import Problem
@@ -128,6 +129,17 @@ class Trainer:
         start = time.perf_counter()
         figures = run_eval(self.config, self.policy, self.tokenizer, self.problems)
         return figures | {"perf/eval_s": time.perf_counter() - start}
+
+
+def _close_window(peak: tuple[TensorPeak, int], step: int, metrics: dict) -> dict:
+    """`perf/tensor_peak_mb` on the window's last step ({} on the others)."""
+    measure, last = peak
+    if measure.device.type == "cuda" and step <= last:
+        measure.observe(metrics["perf/mem_mb"])
+    if step != last or not (measure.running or measure.device.type == "cuda"):
+        return {}
+    mib = measure.stop()
+    return {} if mib is None else {"perf/tensor_peak_mb": mib}
 
 
 def _memory_mb(device: torch.device) -> float:
@@ -250,20 +262,38 @@ def train(config: TrainConfig | None = None, *, resume: str | Path | None = None
             lock = rundir.RunLock(run_dir)
     run_dir = parallel.broadcast(run_dir, accelerator)
     set_threads(config.threads)
+    peak = TensorPeak(accelerator.device)
+    window = _tensor_window(config, run_dir if resume is not None else None) if main else 0
     try:
         if main and resume is None:
             rundir.write_config(run_dir, config.to_dict(), machine(config))
+        if window:  # from before the model is built: every tensor the run makes is counted
+            peak.start()
         trainer = Trainer(config, accelerator)
         if not main:
             return _follow(trainer, run_dir, resume is not None)
-        return _train(trainer, run_dir, resume is not None, callbacks, start_time)
+        return _train(trainer, run_dir, resume is not None, callbacks, start_time,
+                      (peak, window))
     finally:
+        if peak.running:
+            peak.stop()
         if lock is not None:
             lock.release()
 
 
+def _tensor_window(config: TrainConfig, resumed: Path | None) -> int:
+    """The step whose end closes the tensors' peak window (`tensor_peak_step`, at most the
+    last step); 0 when it is off, or when the run resumes past it."""
+    window = min(config.tensor_peak_step, config.steps)
+    latest = rundir.latest_checkpoint(resumed) if resumed is not None else None
+    if latest is not None and rundir.checkpoint_step(latest) >= window:
+        return 0
+    return window
+
+
 def _train(trainer: Trainer, run_dir: Path, resuming: bool,
-           callbacks: Sequence[Callable[[StepReport], None]], start_time: float) -> RunResult:
+           callbacks: Sequence[Callable[[StepReport], None]], start_time: float,
+           peak: tuple[TensorPeak, int]) -> RunResult:
     config = trainer.config
     first = records.resume_point(trainer.learner, run_dir) if resuming else 1
     log = RunLog(config, run_dir)
@@ -272,7 +302,7 @@ def _train(trainer: Trainer, run_dir: Path, resuming: bool,
             record = {"step": 0, **trainer.evaluate(), **log.diag.measure(trainer, 0)}
             log.write(record)
             log.judge(record)
-        _run_steps(trainer, log, first, run_dir, callbacks)
+        _run_steps(trainer, log, first, run_dir, callbacks, peak)
     finally:
         log.close()
     stopped, accuracy = log.stopped, log.accuracy
@@ -306,9 +336,11 @@ def _follow(trainer: Trainer, run_dir: Path, resuming: bool) -> RunResult:
 
 
 def _run_steps(trainer: Trainer, log: RunLog, first: int, run_dir: Path,
-               callbacks: Sequence[Callable[[StepReport], None]]) -> None:
+               callbacks: Sequence[Callable[[StepReport], None]],
+               peak: tuple[TensorPeak, int]) -> None:
     """Steps `first`..config.steps, each logged, evaluated every `eval_every` and at a stop,
-    and checkpointed every `checkpoint_every`, until a stop rule fires."""
+    and checkpointed every `checkpoint_every`, until a stop rule fires; the tensors' peak
+    window (`peak`: the measure and its last step) closes at its step."""
     config, learner = trainer.config, trainer.learner
     todo = range(first, config.steps + 1) if log.stopped is None else range(0)
     parallel.broadcast(todo, learner.accelerator)  # on several processes: the steps to run
@@ -321,6 +353,7 @@ def _run_steps(trainer: Trainer, log: RunLog, first: int, run_dir: Path,
             result = trainer.step(step, inspect=samples.keeps(config, step))
             record = {"step": step, **result.metrics, **log.diag.measure(trainer, step),
                       **log.credit.measure(trainer, step)}
+            record |= _close_window(peak, step, result.metrics)
             evaluated = step % config.eval_every == 0 or step == config.steps
             if evaluated:
                 record |= trainer.evaluate()

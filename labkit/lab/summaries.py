@@ -120,6 +120,9 @@ def summary_rows(results: Mapping[str, RunResult]) -> list[dict]:
                "final_reward": _mean(tail), "step_s": statistics.median(_values(h, "perf/step_s")),
                "mem_mb": max(_values(h, "perf/mem_mb")), "state_mb": state_mb(c),
                "wall_s": result.wall_s}
+        peaks = _values(h, "perf/tensor_peak_mb")  # none when tensor_peak_step = 0
+        if peaks:
+            row["tensor_peak_mb"] = max(peaks)
         means = {"kl": "policy/kl", "kl_k1": "policy/kl_k1", "entropy": "policy/entropy",
                  "clip_low": "clip/low", "clip_high": "clip/high", "clip_total": "clip/total",
                  "reuse_clip_total": "reuse/clip_total", "gav": "adv/gav",

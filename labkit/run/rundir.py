@@ -290,6 +290,11 @@ def save_checkpoint(run_dir: Path, step: int, state: dict, keep: int = 2,
     return path
 
 
+def checkpoint_step(path: Path) -> int:
+    """The step of a `step_XXXXXX.pt` checkpoint, from its name."""
+    return int(Path(path).stem.split("_")[-1])
+
+
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
     found = sorted((Path(run_dir) / CHECKPOINTS).glob("step_*.pt"))
     return found[-1] if found else None

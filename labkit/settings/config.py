@@ -297,6 +297,10 @@ class TrainConfig:
     """Where the run writes; None makes experiments/runs/<algo>/<time>-<pid>."""
     checkpoint_every: int = bounded(0, ge=0)
     """Steps between checkpoints (0: only at the end)."""
+    tensor_peak_step: int = bounded(2, ge=0)
+    """The tensors' peak (perf/tensor_peak_mb, labkit.probes.tensor_memory) is measured from
+    before the model is built to the end of this step (the last when the run is shorter; at
+    2 AdamW's states exist) and logged on it. 0: not measured."""
     device: str | None = None
     """cpu, cuda, cuda:1; None picks CUDA when available."""
     threads: int = bounded(0, ge=0)
