@@ -320,6 +320,10 @@ def test_describe_follows_the_numbers():
     assert "ppo training state 1.88x the memory" in text
     close = lab.describe([_row("grpo", 0.3, 0.52, 0.1, 8.0), _row("ppo", 0.3, 0.5, 0.2, 15.0)], 64)
     assert "is within two standard errors" in close
+    peaks = lab.describe([_row("ppo", 0.3, 0.5, 0.2, 15.0) | {"tensor_peak_mb": 170.0},
+                          _row("grpo", 0.3, 0.8, 0.1, 8.0) | {"tensor_peak_mb": 85.0}], 400)
+    assert "the ppo run's tensors peaked at 2.00x the grpo run's" in peaks
+    assert "(170.0 vs 85.0 MiB, of which training state 15.0 vs 8.0)" in peaks
 
 
 def test_write_outputs_is_strict_json(tmp_path):

@@ -34,6 +34,22 @@ def test_grpo_vs_ppo_pairs_by_seed():
     assert memory.interval.mean == pytest.approx(1.0) and memory.verdict == stats.REFUTED
 
 
+def test_memory_is_asked_of_the_tensors_peak_with_the_process_as_context():
+    """Rows with `tensor_peak_mb` are decided by it (what the training holds); the process's
+    peak, mostly the interpreter, is only the note. Rows without it keep the old question."""
+    tensors = {("grpo", 0): 90.0, ("grpo", 1): 100.0, ("grpo", 2): 110.0,
+               ("ppo", 0): 180.0, ("ppo", 1): 200.0, ("ppo", 2): 220.0}
+    rows = [dict(r, tensor_peak_mb=tensors[r["arm"], r["seed"]],
+                 mem_mb=r["mem_mb"] * (1.1 if r["arm"] == "ppo" else 1.0)) for r in ROWS]
+    memory = verdicts.grpo_vs_ppo(rows)[2]
+    assert memory.question == "ppo needs more memory than grpo"
+    assert memory.measure == "peak tensor memory, ppo / grpo"
+    assert memory.interval.mean == pytest.approx(2.0) and memory.verdict == stats.SUPPORTED
+    assert "1.10x" in memory.note
+    mixed = rows[:-1] + [ROWS[-1]]  # one ppo run without the tensors' peak
+    assert verdicts.grpo_vs_ppo(mixed)[2].question == "ppo's process needs more memory than grpo's"
+
+
 def test_algo_findings_ask_grpo_against_each_other_arm_in_order():
     dpo = [_row("dpo", 0, 0.30, 0.10, 500.0), _row("dpo", 1, 0.33, 0.11, 500.0),
            _row("dpo", 2, 0.25, 0.09, 500.0)]

@@ -190,15 +190,15 @@ def _se(p: float, n: int) -> float:
 
 def _arm_means(rows: Sequence[dict]) -> list[dict]:
     """One row per arm (a row's `arm`, else its `run`): the mean over its seeds of accuracy
-    before and after, step time, state memory and zero-std fraction, and `seeds`, how
-    many."""
+    before and after, step time, state memory, the tensors' peak and zero-std fraction, and
+    `seeds`, how many."""
     out = []
     arms = by_arm([{"arm": row["run"], "seed": 0} | row for row in rows])
     for arm, seeds in arms.items():
         members = list(seeds.values())
         mean = {k: statistics.fmean(r[k] for r in members)
                 for k in ("accuracy_before", "accuracy_after", "step_s", "state_mb",
-                          "frac_zero_std") if all(k in r for r in members)}
+                          "tensor_peak_mb", "frac_zero_std") if all(k in r for r in members)}
         out.append({**members[0], **mean, "run": arm, "seeds": len(members)})
     return out
 
@@ -233,13 +233,22 @@ def describe(rows: Sequence[dict], eval_n: int) -> str:
 
 
 def _cost(a: dict, b: dict) -> str:
-    """How much longer the slower run's step took, and how much larger its training state."""
+    """How much longer the slower run's step took, and how much more memory the larger run's
+    tensors held at their peak (its training state alone, without the peak: older runs)."""
     slow, fast = (a, b) if a["step_s"] >= b["step_s"] else (b, a)
+    text = (f"A {slow['run']} step took {slow['step_s'] / fast['step_s']:.2f}x as long as a "
+            f"{fast['run']} step ({slow['step_s']:.3f} vs {fast['step_s']:.3f} s), and ")
+    if "tensor_peak_mb" in a and "tensor_peak_mb" in b:
+        big, small = (a, b) if a["tensor_peak_mb"] >= b["tensor_peak_mb"] else (b, a)
+        return text + (
+            f"the {big['run']} run's tensors peaked at "
+            f"{big['tensor_peak_mb'] / small['tensor_peak_mb']:.2f}x the {small['run']} run's "
+            f"({big['tensor_peak_mb']:.1f} vs {small['tensor_peak_mb']:.1f} MiB, of which "
+            f"training state {big['state_mb']:.1f} vs {small['state_mb']:.1f}).")
     big, small = (a, b) if a["state_mb"] >= b["state_mb"] else (b, a)
-    return (f"A {slow['run']} step took {slow['step_s'] / fast['step_s']:.2f}x as long as a "
-            f"{fast['run']} step ({slow['step_s']:.3f} vs {fast['step_s']:.3f} s), and the "
-            f"{big['run']} training state {big['state_mb'] / small['state_mb']:.2f}x the memory "
-            f"of the {small['run']} one ({big['state_mb']:.1f} vs {small['state_mb']:.1f} MiB).")
+    return text + (f"the {big['run']} training state {big['state_mb'] / small['state_mb']:.2f}x "
+                   f"the memory of the {small['run']} one ({big['state_mb']:.1f} vs "
+                   f"{small['state_mb']:.1f} MiB).")
 
 
 def describe_sweep(rows: Sequence[dict], eval_n: int) -> str:

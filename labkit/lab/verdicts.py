@@ -122,8 +122,8 @@ def accuracy_noise(rows: Sequence[dict]) -> str:
 def grpo_vs_ppo(rows: Sequence[dict], a: str = "grpo", b: str = "ppo") -> list[Finding]:
     """Notebook 01's questions over paired seeds: does arm `a` gain more held-out accuracy
     than `b` (paired t of the per-seed gain differences, in points), does a `b` step take
-    longer than an `a` step, and does `b`'s process need more memory (geometric mean of the
-    per-seed ratios; memory is each run's process peak, one fresh process per run)."""
+    longer than an `a` step, and does `b` need more memory (`memory_finding`: geometric mean
+    of the per-seed ratios of the tensors' peaks)."""
     gains = paired(rows, a, b, "gain")
     diff = stats.paired_interval([100 * g for g in gains[0]], [100 * g for g in gains[1]])
     note = accuracy_noise(rows)
@@ -137,11 +137,25 @@ def grpo_vs_ppo(rows: Sequence[dict], a: str = "grpo", b: str = "ppo") -> list[F
     found.append(finding(f"a {b} step takes longer than a {a} step",
                          f"median step time, {b} / {a}", stats.ratio_interval(step_b, step_a),
                          above=1.0))
-    mem_b, mem_a = paired(rows, b, a, "mem_mb")
-    found.append(finding(f"{b}'s process needs more memory than {a}'s",
-                         f"peak memory, {b} / {a}", stats.ratio_interval(mem_b, mem_a),
-                         above=1.0))
+    found.append(memory_finding(rows, a, b))
     return found
+
+
+def memory_finding(rows: Sequence[dict], a: str, b: str) -> Finding:
+    """Does `b` need more memory than `a`: the ratio of the tensors' peaks
+    (`tensor_peak_mb`, what the training holds) over paired seeds, with the processes'
+    peak ratio as context; rows without the tensors' peak (runs with tensor_peak_step 0, or
+    older runs) are asked about their processes' peak (`mem_mb`), which is mostly the
+    interpreter and its libraries."""
+    process = stats.ratio_interval(*paired(rows, b, a, "mem_mb"))
+    if not all("tensor_peak_mb" in r for r in rows if r["arm"] in (a, b)):
+        return finding(f"{b}'s process needs more memory than {a}'s",
+                       f"peak memory, {b} / {a}", process, above=1.0)
+    tensors = stats.ratio_interval(*paired(rows, b, a, "tensor_peak_mb"))
+    return finding(f"{b} needs more memory than {a}", f"peak tensor memory, {b} / {a}",
+                   tensors, above=1.0,
+                   note=f"the processes' peaks, for context: {process.mean:.2f}x "
+                        f"[{process.low:.2f}, {process.high:.2f}]")
 
 
 def algo_findings(rows: Sequence[dict], base: str = "grpo") -> list[Finding]:
