@@ -306,3 +306,26 @@ def test_a_level_of_one_arm_is_decided_from_its_mean_over_seeds():
     assert f"dpo_g2: grpo_cosine {want.format(2)}" in decided.figure
     result.claim["preregistered"]["threshold"] = 0.99  # the whole interval lies below
     assert claims.claim_verdict(result).verdict == stats.REFUTED
+
+
+def test_the_tensors_peak_decides_a_memory_claim_from_the_per_seed_record():
+    """tensor_memory_ratio: PPO's tensors' peak over GRPO's, paired by seed (log-ratio t),
+    from the runs' `tensor_peak_mb`; runs that did not measure it leave it unmeasured."""
+    grpo = [88.3, 98.6, 115.8, 92.0, 104.0]
+    ppo = [170.5, 189.5, 222.3, 176.0, 201.0]
+    records = [{"sweep_run": "seed=0", "arm": arm, "seed": s, "tensor_peak_mb": v,
+                "mem_mb": 600.0}
+               for arm, values in (("grpo", grpo), ("ppo", ppo)) for s, v in enumerate(values)]
+    result = _result({"measure": "tensor_memory_ratio", "compare": ["ppo", "grpo"],
+                      "direction": "above", "threshold": 1.25}, [])
+    result.records = records
+    decided = claims.claim_verdict(result)
+    plan = claims.plan_of(preregistration.check(result.claim, "x", ["grpo", "ppo"]))
+    want = stats.ratio_interval(ppo, grpo, plan.confidence(0, "above"))
+    assert decided.verdict == stats.SUPPORTED and want.low > 1.25
+    assert want.format(2) in decided.figure
+    result.claim["preregistered"]["measure"] = "memory_ratio"  # the processes': 1.0
+    assert claims.claim_verdict(result).verdict == stats.REFUTED
+    result.claim["preregistered"]["measure"] = "tensor_memory_ratio"
+    result.records = [{k: v for k, v in r.items() if k != "tensor_peak_mb"} for r in records]
+    assert claims.claim_verdict(result).figure == claims.NOT_MEASURED

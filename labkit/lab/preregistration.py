@@ -37,6 +37,9 @@ MEASURES = {
                               "the steps, arm minus baseline, tokens",
     "step_time_ratio": "time per step, arm / baseline, geometric mean over paired seeds",
     "memory_ratio": "peak process memory, arm / baseline, geometric mean over paired seeds",
+    "tensor_memory_ratio": "peak bytes the run's tensors held (perf/tensor_peak_mb: weights, "
+                           "gradients, optimizer states, reference, critic, activations), arm "
+                           "/ baseline, geometric mean over paired seeds",
     "grad_rel_var_ratio": "policy-gradient relative variance (raw advantages) with the "
                           "trained critic / with the leave-one-out group baseline, per run at "
                           "its last diagnostics, geometric mean over seeds "
