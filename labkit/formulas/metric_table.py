@@ -154,10 +154,8 @@ METRICS: dict[str, str] = {
         "peak memory in MiB: CUDA memory allocated during the step on a GPU, the process's peak "
         "resident set so far on the CPU",
     "perf/tensor_peak_mb":
-        "the peak MiB the run's tensors held (weights, gradients, optimizer states, reference, "
-        "critic, activations), from before the model is built to the end of step "
-        "tensor_peak_step, logged on that step: the allocator's events on the CPU "
-        "(labkit.probes.tensor_memory), its peak on CUDA",
+        "peak MiB the run's tensors held, from before the model is built to the end of step "
+        "tensor_peak_step (logged there; labkit.probes.tensor_memory)",
     "perf/grad_norm": "global L2 norm of the policy gradient before clipping",
     "perf/eval_s":
         "wall-clock seconds of the held-out evaluation logged in the same record (greedy, "
