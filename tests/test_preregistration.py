@@ -281,7 +281,18 @@ def test_a_change_within_each_run_of_one_arm_is_decided_from_the_per_seed_record
     assert decided.verdict == stats.SUPPORTED
     assert f"grpo: length_final - length_start {want.format(2)}" in decided.figure
     result.claim["preregistered"]["compare"] = ["ppo"]  # every ppo run shrank by 1 token
-    assert claims.claim_verdict(result).verdict == stats.REFUTED
+    # a length can stay put whatever the claim: with no positive control its null says
+    # nothing; a control arm that moved the length lets the refutation stand
+    decided = claims.claim_verdict(result)
+    assert decided.verdict == claims.NOT_TESTABLE and "no positive control" in decided.figure
+    result.claim["preregistered"]["control"] = {
+        "measure": "final_length", "compare": ["short", "grpo"], "direction": "below",
+        "margin": 2.0, "why": "a length penalty shortens"}
+    result.records = records + [{"sweep_run": "seed=0", "arm": "short", "seed": s,
+                                 "length_final": b - 3.0 - 0.1 * s}
+                                for s, b in enumerate(final)]
+    decided = claims.claim_verdict(result)
+    assert decided.verdict == stats.REFUTED and "control short vs grpo" in decided.figure
     with pytest.raises(ValueError, match=r"\[ARM\], for a measure within one arm"):
         preregistration.check({**result.claim, "preregistered": {
             **result.claim["preregistered"], "compare": ["a", "b", "c"]}}, "x")
@@ -329,3 +340,79 @@ def test_the_tensors_peak_decides_a_memory_claim_from_the_per_seed_record():
     result.claim["preregistered"]["measure"] = "tensor_memory_ratio"
     result.records = [{k: v for k, v in r.items() if k != "tensor_peak_mb"} for r in records]
     assert claims.claim_verdict(result).figure == claims.NOT_MEASURED
+
+
+def _length_records(base: list[float], arm: list[float], control: list[float]) -> list[dict]:
+    return [{"sweep_run": "seed=0", "arm": name, "seed": s, "length_rate_early": v}
+            for name, values in (("mean", base), ("sum", arm), ("short", control))
+            for s, v in enumerate(values)]
+
+
+def test_a_length_claim_reads_not_testable_here_when_its_control_did_not_move():
+    """Claims 5 and 14: the early length rate, sum vs mean, below 0, beside a control arm that
+    must lower the rate by more than 0.05 tokens a step. A null with a control that moved is
+    refuted; the same null beside a control that did not move is not testable here, with
+    the control's interval and the reason; never refuted."""
+    prereg = {"measure": "early_length_rate", "compare": ["sum", "mean"], "direction": "below",
+              "threshold": 0,
+              "control": {"compare": ["short", "mean"], "direction": "below", "margin": 0.05,
+                          "why": "a length penalty must shorten"}}
+    base = [0.30, 0.25, 0.35, 0.28, 0.32]
+    null = [b + d for b, d in zip(base, (0.02, 0.01, 0.03, 0.015, 0.025))]  # above: refutes
+    moved = [b - 0.4 + 0.01 * i for i, b in enumerate(base)]
+    result = _result(prereg, [])
+    result.records = _length_records(base, null, moved)
+    decided = claims.claim_verdict(result)
+    control = stats.paired_interval(moved, base, 0.95)
+    assert control.high < -0.05
+    assert decided.verdict == stats.REFUTED, decided
+    assert f"control short vs mean: {control.format(2)}" in decided.figure
+    assert decided.test.endswith("control: early_length_rate (short vs mean) below -0.05")
+    stuck = [b - 0.01 for b in base]  # the control moved the rate by 0.01 only
+    result.records = _length_records(base, null, stuck)
+    decided = claims.claim_verdict(result)
+    assert decided.verdict == claims.NOT_TESTABLE
+    assert "did not move the measure past 0.05" in decided.figure
+    result.records = [r for r in result.records if r["arm"] != "short"]  # control not run
+    decided = claims.claim_verdict(result)
+    assert decided.verdict == stats.INCONCLUSIVE and "control not run yet" in decided.figure
+
+
+def test_a_claim_file_whose_measure_needs_a_control_and_names_none_is_refused(tmp_path):
+    """Refused with one line naming the file and the field, before any run is planned; the
+    same file read for its finished runs (findings) still loads, and a claim restated in
+    another file is read, not refused."""
+    spec = yaml.safe_load((REPO / "experiments" / "claims" / "05_length_rate.yaml").read_text())
+    spec["notebook"] = str(REPO / "notebooks" / "05_arms.ipynb")
+    del spec["claims"][0]["preregistered"]["control"]
+    path = tmp_path / "05_no_control.yaml"
+    path.write_text(yaml.safe_dump(spec, allow_unicode=True))
+    done = in_process("sweep", path, "--dry-run")
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode == 2 and len(lines) == 1, done.stderr
+    assert lines[0].startswith("error: 05_no_control.yaml: claim 5: preregistered.control "
+                               "is missing"), lines[0]
+    assert "to run" not in done.stdout
+    assert load_sweep(path, to_run=False).claims  # reading finished runs is not running
+    spec["claims"][0]["restated"] = "05_length_rate.yaml"
+    path.write_text(yaml.safe_dump(spec, allow_unicode=True))
+    assert load_sweep(path).claims
+
+
+@pytest.mark.parametrize("change, words", [
+    (lambda c: c.pop("why"), "control.why must say why"),
+    (lambda c: c.update(margin=0), "control.margin must be a number > 0"),
+    (lambda c: c.update(direction="two-sided"), "control.direction must be above or below"),
+    (lambda c: c.update(compare=["longer", "seq-mean-token-mean"]),
+     "control.compare: unknown arm 'longer'"),
+    (lambda c: c.update(measure="length_change"), "control.measure must be a measure between"),
+])
+def test_a_bad_control_is_one_line_naming_the_field(tmp_path, change, words):
+    spec = yaml.safe_load((REPO / "experiments" / "claims" / "05_length_rate.yaml").read_text())
+    spec["notebook"] = str(REPO / "notebooks" / "05_arms.ipynb")
+    change(spec["claims"][0]["preregistered"]["control"])
+    path = tmp_path / "05_bad.yaml"
+    path.write_text(yaml.safe_dump(spec, allow_unicode=True))
+    with pytest.raises(ValueError, match=re.escape(words)) as caught:
+        load_sweep(path)
+    assert str(caught.value).startswith("05_bad.yaml: claim 5: preregistered.control")

@@ -50,6 +50,9 @@ class ClaimResult:
 
 
 NOT_MEASURED = "not measured yet"
+NOT_TESTABLE = "not testable here"
+"""The verdict of a claim whose measure could not move here: its positive control
+(`preregistered.control`) did not move it, or none was run; never `refuted`."""
 PER_SEED = "needs the per-seed record"
 
 
@@ -68,6 +71,39 @@ class ClaimVerdict:
 
 
 def claim_verdict(result: ClaimResult) -> ClaimVerdict:
+    """The claim-level verdict (`_verdict`), where its measure needs a positive control
+    (preregistration.NEEDS_CONTROL) read beside the control: a claim the runs support keeps
+    its verdict (the measure moved); otherwise, unless the control moved its measure past
+    its margin, the claim is `NOT_TESTABLE` with the reason, never refuted. The control's
+    interval is shown with the figure."""
+    decided = _verdict(result)
+    prereg = preregistration.check(result.claim, result.file.name, check_arms=False)
+    if prereg.measure not in preregistration.NEEDS_CONTROL and prereg.control is None:
+        return decided
+    control = prereg.control
+    if control is None:
+        if decided.verdict == stats.SUPPORTED:
+            return decided
+        return ClaimVerdict(decided.test, f"{decided.figure}; no positive control was run, so "
+                            "a measure that did not move says nothing of the claim",
+                            NOT_TESTABLE)
+    test = f"{decided.test}; control: {control.describe()}"
+    found = (_from_records(control.as_preregistration(prereg.seeds), result.records,
+                           result.looks) if result.records else None)
+    if found is None:
+        return ClaimVerdict(test, f"{decided.figure}; control not run yet",
+                            stats.INCONCLUSIVE if decided.verdict != stats.SUPPORTED
+                            else decided.verdict)
+    figure, verdict, _ = found
+    shown = f"{decided.figure}; control {figure}"
+    if verdict == stats.SUPPORTED or decided.verdict == stats.SUPPORTED:
+        return ClaimVerdict(test, shown, decided.verdict, decided.mde)
+    return ClaimVerdict(test, f"{shown}: the control did not move the measure past "
+                        f"{control.margin:g}, so this setting cannot answer the claim",
+                        NOT_TESTABLE)
+
+
+def _verdict(result: ClaimResult) -> ClaimVerdict:
     """The claim-level verdict: the preregistered primary measure read by
     `labkit.formulas.stats_design.decide` from the findings whose question holds the preregistered `finding`
     words and the compared arms. Several such findings (one per G, say) must each support
@@ -122,6 +158,9 @@ PER_SEED_MEASURES = {"gain": ("gain", 100.0, "difference"),
                      "critic_error_growth": (("credit.critic_err_s3", "credit.critic_err_s1"),
                                              1.0, "within"),
                      "length_change": (("length_final", "length_start"), 1.0, "change"),
+                     "early_length_rate": ("length_rate_early", 1.0, "difference"),
+                     "early_length_rate_incorrect": ("length_incorrect_rate_early", 1.0,
+                                                     "difference"),
                      "worked_change": (("worked_final", "worked_start"), 1.0, "change"),
                      "update_cosine": (("grpo_cosine", None), 1.0, "level")}
 """The primary measures a claim's per-seed record decides: measure -> (the record's

@@ -191,7 +191,7 @@ def collect(claims_dir: str | Path = CLAIMS_DIR, root: str | Path | None = None,
         raise FileNotFoundError(f"no claim files (*.yaml) in {claims_dir}")
     results = []
     for file in files:
-        sweep = load_sweep(file, smoke=smoke)
+        sweep = load_sweep(file, smoke=smoke, to_run=False)
         if not sweep.claims:
             raise ValueError(f"{file.name} has no `claim:` block: it is a sweep, not a claim")
         runs = plan(sweep, root)

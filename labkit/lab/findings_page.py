@@ -97,7 +97,9 @@ def claim_title(result: ClaimResult) -> str:
         firsts = ", ".join(str(s) for s in result.replication)
         plural = "s" * (len(result.replication) > 1)
         return f"{number}, replicated at fresh seeds (first seed{plural} {firsts})"
-    return f"{number}. {result.claim.get('statement', '')}"
+    restated = result.claim.get("restated")
+    label = f" (exploratory; restated in {restated})" if restated else ""
+    return f"{number}. {result.claim.get('statement', '')}{label}"
 
 
 def figure_name(result: ClaimResult) -> str:

@@ -13,6 +13,16 @@ sweep is loaded, before any run starts:
       threshold: 0           # the article's magnitude where it gives one, else no effect
       margin: 1.0            # +- this counts as no difference: needed for equivalent
       seeds: 10              # seeds planned per arm (at least MIN_SEEDS)
+      control:               # a positive control: required where the measure can stay
+        compare: [short, grpo]  # put whatever the claim (NEEDS_CONTROL); the arm that
+        direction: below     #   must move the measure (by default the claim's; `measure:`
+        margin: 0.05         #   names another) past +-margin in `direction`
+        why: "..."           #   why that arm must move it
+
+Without a control that moved its measure a null reading says nothing of the claim: the
+claim reads `not testable here` (labkit.lab.claims.NOT_TESTABLE) with the reason, never
+refuted. A claim file whose measure needs a control and names none is refused when it is
+loaded to run (`check(..., require_control=True)`), before any run starts.
 
 The claim-level verdict is the primary measure's, read by `labkit.formulas.stats_design.decide`; the claim's
 other findings are context. A claim is refused with one line naming the file, the claim and
@@ -58,6 +68,11 @@ MEASURES = {
                      "mean over the steps of each run of the arm (dpo_grpo_cosine), over seeds",
     "monitor_youden": "a monitor's sensitivity + specificity - 1 over runs (fired before a "
                       "collapse; stayed quiet on a healthy run)",
+    "early_length_rate": "how fast the mean completion length moves before it saturates: "
+                         "the least-squares slope over the first EARLY_STEPS steps, arm "
+                         "minus baseline, tokens per step",
+    "early_length_rate_incorrect": "the same slope for the wrong completions' mean length, "
+                                   "arm minus baseline, tokens per step",
 }
 """The primary measures a claim may name, with what each is."""
 
@@ -65,7 +80,15 @@ ONE_ARM = ("grad_rel_var_ratio", "critic_error_growth", "length_change", "worked
            "update_cosine")
 """Measures read within each run of one arm: their `compare` may name that arm alone."""
 
-KEYS = ("article", "measure", "compare", "finding", "direction", "threshold", "margin", "seeds")
+NEEDS_CONTROL = ("final_length", "final_length_correct", "final_length_incorrect",
+                 "length_change", "worked_change", "monitor_youden", "early_length_rate",
+                 "early_length_rate_incorrect")
+"""Measures that can stay put whatever the claim (a length the task fixes, a monitor on runs
+that never collapse): a claim on one names a positive control."""
+
+KEYS = ("article", "measure", "compare", "finding", "direction", "threshold", "margin", "seeds",
+        "control")
+CONTROL_KEYS = ("measure", "compare", "direction", "margin", "why")
 REQUIRED = ("article", "measure", "direction", "threshold", "seeds")
 MIN_SEEDS = 5
 """The fewest seeds per arm a claim may plan."""
@@ -83,6 +106,7 @@ class Preregistration:
     compare: tuple[str, ...] = ()
     finding: str = ""
     margin: float | None = None
+    control: Control | None = None
 
     def describe(self) -> str:
         """'gain (rloo vs grpo) two-sided about 0, +-1 no difference': the test in words."""
@@ -97,8 +121,67 @@ class Preregistration:
         return stats_design.decide(interval, self.direction, self.threshold, self.margin)
 
 
+@dataclass(frozen=True)
+class Control:
+    """A positive control: arm `compare[0]` must move `measure` past +-`margin` from
+    `compare[1]` in `direction` (above or below), or the claim's null says nothing."""
+
+    measure: str
+    compare: tuple[str, str]
+    direction: str
+    margin: float
+    why: str
+
+    def as_preregistration(self, seeds: int) -> Preregistration:
+        """The control as a test of its own: supported when it moved the measure."""
+        threshold = self.margin if self.direction == "above" else -self.margin
+        return Preregistration(self.why, self.measure, self.direction, threshold, seeds,
+                               self.compare)
+
+    def describe(self) -> str:
+        side = "above +" if self.direction == "above" else "below -"
+        return f"{self.measure} ({' vs '.join(self.compare)}) {side}{self.margin:g}"
+
+
+def _control(block, who: str, measure: str, arms: list[str] | None,
+             check_arms: bool) -> Control:
+    """The `control:` block checked (CONTROL_KEYS): compare two arms, direction above or
+    below, margin > 0, why in words; its measure by default the claim's."""
+    who = f"{who}.control"
+    if not isinstance(block, dict):
+        raise ValueError(f"{who} must be a mapping of {', '.join(CONTROL_KEYS)}, got {block!r}")
+    unknown = sorted(set(block) - set(CONTROL_KEYS))
+    if unknown:
+        raise ValueError(f"{who}: unknown field(s) {unknown}; fields: {', '.join(CONTROL_KEYS)}")
+    measure = block.get("measure", measure)
+    if measure not in MEASURES or measure in ONE_ARM or measure == "monitor_youden":
+        raise ValueError(f"{who}.measure must be a measure between two arms, got {measure!r}")
+    compare = block.get("compare")
+    if not (isinstance(compare, list) and len(compare) == 2
+            and all(isinstance(c, str) for c in compare)):
+        raise ValueError(f"{who}.compare must be [ARM, BASELINE], got {compare!r}")
+    if check_arms and arms is not None:
+        bad = [c for c in compare if c not in arms]
+        if bad:
+            raise ValueError(f"{who}.compare: unknown arm {bad[0]!r}; the sweep's arms: "
+                             f"{', '.join(arms)}")
+    if block.get("direction") not in ("above", "below"):
+        raise ValueError(f"{who}.direction must be above or below, got "
+                         f"{block.get('direction')!r}")
+    margin = block.get("margin")
+    if isinstance(margin, bool) or not isinstance(margin, (int, float)) \
+            or not math.isfinite(margin) or margin <= 0:
+        raise ValueError(f"{who}.margin must be a number > 0 (how far the control must move "
+                         f"the measure), got {margin!r}")
+    why = block.get("why")
+    if not (isinstance(why, str) and why.strip()):
+        raise ValueError(f"{who}.why must say why the control arm must move the measure")
+    return Control(measure, (compare[0], compare[1]), block["direction"], float(margin),
+                   why.strip())
+
+
 def check(claim: dict, where: str, arms: list[str] | None = None,
-          check_arms: bool = True) -> Preregistration:
+          check_arms: bool = True, require_control: bool = False) -> Preregistration:
     """The claim block's `preregistered:` block, checked: every field present and of its kind,
     the measure known, the compared arms arms of the sweep (`arms`; None: the sweep has no
     arms; check_arms=False for a smoke variant, whose arms are a few of the claim's).
@@ -154,9 +237,17 @@ def check(claim: dict, where: str, arms: list[str] | None = None,
         if bad:
             raise ValueError(f"{who}.compare: unknown arm {bad[0]!r}; the sweep's arms: "
                              f"{', '.join(arms)}")
+    control = None
+    if block.get("control") is not None:
+        control = _control(block["control"], who, block["measure"], arms, check_arms)
+    elif require_control and block["measure"] in NEEDS_CONTROL:
+        raise ValueError(f"{who}.control is missing: {block['measure']} can stay put whatever "
+                         "the claim, so name a positive control (an arm that must move it by "
+                         "a stated margin) before the claim runs")
     return Preregistration(block["article"].strip(), block["measure"], block["direction"],
                            numbers["threshold"], seeds, tuple(compare),
-                           str(block.get("finding", "")).strip(), numbers.get("margin"))
+                           str(block.get("finding", "")).strip(), numbers.get("margin"),
+                           control)
 
 
 def sweep_arms(parameters: dict) -> list[str] | None:
@@ -172,4 +263,5 @@ def sweep_arms(parameters: dict) -> list[str] | None:
     return None
 
 
-__all__ = ["MEASURES", "MIN_SEEDS", "Preregistration", "check", "sweep_arms"]
+__all__ = ["MEASURES", "MIN_SEEDS", "NEEDS_CONTROL", "Control", "Preregistration", "check",
+           "sweep_arms"]

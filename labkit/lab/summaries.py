@@ -92,6 +92,26 @@ def accuracy_auc(history: Sequence[dict]) -> float | None:
     return area / (points[-1][0] - points[0][0])
 
 
+EARLY_STEPS = 20
+"""The window of the early rates (`early_rate`): a policy's length moves in its first steps and
+then saturates (on task=think every arm ends fully worked within 100 steps), so a rate read
+here can differ where final lengths cannot."""
+
+
+def early_rate(history: list[dict], key: str, steps: int = EARLY_STEPS) -> float | None:
+    """The least-squares slope of `key` against the step over the run's first `steps` steps
+    (per step); None with fewer than 3 steps that log it."""
+    points = [(r["step"], r[key]) for r in history
+              if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])
+              and "step" in r and r["step"] <= steps]
+    if len(points) < 3:
+        return None
+    mx = sum(x for x, _ in points) / len(points)
+    my = sum(y for _, y in points) / len(points)
+    sxx = sum((x - mx) ** 2 for x, _ in points)
+    return sum((x - mx) * (y - my) for x, y in points) / sxx if sxx else None
+
+
 def summary_rows(results: Mapping[str, RunResult]) -> list[dict]:
     """One row per run (its `arm`, the name without "/seed=s", and its `seed`): accuracy
     before/after and their difference (`gain`), final reward, cost, the mean over steps of
@@ -102,7 +122,9 @@ def summary_rows(results: Mapping[str, RunResult]) -> list[dict]:
     step's; `worked_final`, over the last fifth) and the length of the right and of the wrong
     completions over the last fifth (`length_correct_final`, `length_incorrect_final`), the area under the held-out
     accuracy curve (`accuracy_auc`), whether the run was found dead
-    (`dead_run` 1 or 0; `dead_step`, the step it was found) and whether it collapsed
+    (`dead_run` 1 or 0; the early slopes of the mean length, of all completions and of the
+    wrong ones, over the first EARLY_STEPS steps (`length_rate_early`,
+    `length_incorrect_rate_early`, tokens per step); `dead_step`, the step it was found) and whether it collapsed
     (`collapsed` 1 or 0; `collapse_step`, see `collapse_step`); for a run that measured
     diagnostics, its last measurement (`diag_step`, and each `diag/a/b` as `diag.a.b`); for a
     run that looked through the credit microscope, its last look (`credit_step`, and each
@@ -133,6 +155,11 @@ def summary_rows(results: Mapping[str, RunResult]) -> list[dict]:
         row["length_final"] = _mean(lengths[-max(1, len(lengths) // 5):])
         if lengths:
             row["length_start"] = lengths[0]
+        for name, key in (("length_rate_early", "rollout/length_mean"),
+                          ("length_incorrect_rate_early", "rollout/length_incorrect")):
+            rate = early_rate(h, key)
+            if rate is not None:
+                row[name] = rate
         for name, key in (("length_correct_final", "rollout/length_correct"),
                           ("length_incorrect_final", "rollout/length_incorrect")):
             values = _values(h, key)

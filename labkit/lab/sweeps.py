@@ -64,7 +64,7 @@ KEYS = ("notebook", "name", "parameters", "grid", "seeds", "resources", "smoke",
 RESOURCE_KEYS = ("cpus", "gpus")
 BACKENDS = ("local", "ray")
 SMOKE_KEYS = ("parameters", "grid", "seeds")
-CLAIM_KEYS = ("id", "statement", "source", "preregistered", "findings", "note")
+CLAIM_KEYS = ("id", "statement", "source", "preregistered", "findings", "note", "restated")
 CSV_NAME = "sweep.csv"
 PLOT_NAME = "comparison.html"
 INCOMPLETE = ".incomplete"
@@ -102,9 +102,13 @@ class Run:
     summary: dict = field(default_factory=dict)
 
 
-def load_sweep(path: str | Path, smoke: bool = False) -> Sweep:
+def load_sweep(path: str | Path, smoke: bool = False, to_run: bool = True) -> Sweep:
     """Read experiments/NAME.yaml (its `smoke:` variant with smoke=True) and check every
-    name and value against the notebook's parameters cell."""
+    name and value against the notebook's parameters cell. `to_run`: the sweep is about to
+    run, so every claim whose measure needs a positive control must name one
+    (labkit.lab.preregistration.NEEDS_CONTROL), except a claim `restated:` in another file
+    (its old statement is read from the same runs, labelled exploratory); False to read
+    finished runs."""
     import yaml
 
     path = Path(path)
@@ -159,7 +163,12 @@ def load_sweep(path: str | Path, smoke: bool = False) -> Sweep:
         defaults = {k: p.default for k, p in notebook_parameters(notebook).items()}
         arms = preregistration.sweep_arms(defaults | checked.parameters)
         for claim in claims:
-            preregistration.check(claim, where, arms, check_arms=not smoke)
+            if claim.get("restated") is not None and not (
+                    isinstance(claim["restated"], str) and claim["restated"].strip()):
+                raise ValueError(f"{where}: claim {claim.get('id', '?')}: restated must name "
+                                 f"the claim file that restates it, got {claim['restated']!r}")
+            preregistration.check(claim, where, arms, check_arms=not smoke,
+                                  require_control=to_run and not claim.get("restated"))
     checked.claims = claims
     checked.resources = _resources(spec.get("resources") or {}, where)
     again = spec.get("replication") or []
