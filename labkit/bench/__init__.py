@@ -42,12 +42,15 @@ import argparse
 import importlib.util
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
 from dataclasses import replace
 from pathlib import Path
 
+from labkit.bench import cost as cost_model
+from labkit.bench.cost import SHAPES as COST_SHAPES
 from labkit.bench.inputs import (QWEN_05B, SMALL, TEST_SMALL, Work, bench_precision,
                                   build_small_model, long_prompts, tiny_prompts)
 from labkit.bench.report import pool, pool_table, read_summary, summarize, table
@@ -184,6 +187,61 @@ def run(args) -> dict:
                                         "max_new_tokens": small.max_new_tokens}
     stages.close()
     return summarize(results, params=params, device=device, precision=precision, args=args)
+
+
+def run_cost(args) -> dict:
+    """`--cost`: every shape of `args.cost` x GRPO, PPO and DPO, each in a fresh worker process
+    (`workers.worker_cost`) on `cost.COST_WORK`'s batch; prints the table (measurements,
+    held-out errors, predictions) and returns the JSON summary."""
+    import torch
+
+    if args.device is not None and not (args.device == "cpu" or args.device.startswith("cuda")):
+        raise ValueError(f"--device must be cpu or cuda[:N], got {args.device!r}")
+    shapes = [s.strip() for s in args.cost.split(",") if s.strip()]
+    bad = [s for s in shapes if s not in COST_SHAPES]
+    if bad or not shapes:
+        raise ValueError(f"--cost: unknown shape {bad[0] if bad else args.cost!r}; shapes: "
+                         f"{', '.join(COST_SHAPES)}")
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    precision = "fp32" if args.precision == "auto" and device == "cpu" else (
+        bench_precision(args.precision, device, 10**9))
+    work = cost_model.COST_WORK
+    stages = Stages(len(shapes) * len(cost_model.ALGOS), quiet=args.quiet)
+    measure = stages.counted(run_worker)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        prompts = long_prompts(8, work["prompt_tokens"])
+        for name in shapes:
+            path = Path(tmp) / name
+            build_small_model(path, COST_SHAPES[name])
+            spec = Work(str(path), tuple(prompts), tuple("0" for _ in prompts),
+                        batch_prompts=work["batch_prompts"], group_size=work["group_size"],
+                        max_new_tokens=work["max_new_tokens"], beta=work["beta"],
+                        precision=precision, device=device, steps=3, warmup=0)
+            for algo in cost_model.ALGOS:
+                stages.say(f"[bench] cost: {name}, {algo}")
+                # DPO's own beta is dpo_beta; it always holds a reference
+                found = measure("cost", replace(spec, beta=0.0) if algo == "dpo" else spec,
+                                algo=algo)
+                shape = COST_SHAPES[name]
+                rows.append({"shape": name, "algo": algo, "precision": precision,
+                             "tokens": found["tokens"], "peak_mb": found["peak_mb"],
+                             "step_s": found["step_s"],
+                             "flops": cost_model.step_flops(shape, algo, found["sequences"],
+                                                            found["prompt"],
+                                                            found["completion"])})
+            shutil.rmtree(path, ignore_errors=True)  # a 0.5 B model is 2 GB on disk
+    stages.close()
+    summary: dict = {"device": device, "precision": precision, "rows": rows}
+    if all(any(r["shape"] == f for r in rows) for f in cost_model.FIT):
+        print(cost_model.table(rows))
+        summary["held_out"] = cost_model.held_out(rows)
+        summary["predictions"] = cost_model.predictions(rows)
+    else:
+        print("\n".join(f"{r['shape']} {r['algo']}: {r['peak_mb']:.0f} MiB, {r['step_s']:.2f} s"
+                        for r in rows))
+        print(f"(the cost model needs {', '.join(cost_model.FIT)} measured)")
+    return summary
 
 
 class Stages:
@@ -339,6 +397,13 @@ def add_parser(sub) -> None:
     cmd.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     cmd.add_argument("--out", default=None, metavar="FILE",
                      help="also write the JSON summary to FILE (for --pool)")
+    cmd.add_argument("--cost", nargs="?", const="small,smollm2-135m,qwen0.5b", default=None,
+                     metavar="SHAPES",
+                     help="measure nothing else: the tensors' peak and step time of GRPO, "
+                          "PPO and DPO at real models' shapes (comma-separated of "
+                          f"{', '.join(COST_SHAPES)}; default all, random weights), the cost "
+                          "model fitted on small and smollm2-135m, its held-out errors and "
+                          "its predictions at Qwen2.5-1.5B and 7B (labkit.bench.cost)")
     cmd.add_argument("--pool", nargs="+", default=None, metavar="FILE",
                      help="measure nothing: pool earlier runs of one kind of machine (files "
                           "written by --out, or the bench's saved output) into each target "
@@ -346,6 +411,10 @@ def add_parser(sub) -> None:
 
 
 def main_bench(args) -> int:
+    if getattr(args, "cost", None):
+        summary = run_cost(args)
+        print(json.dumps(summary))
+        return 0
     if getattr(args, "pool", None):
         names = list(args.pool)
         pooled = pool([read_summary(name) for name in names], names)

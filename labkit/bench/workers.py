@@ -218,8 +218,45 @@ def worker_scaling(work: Work, groups: list[int], lengths: list[int], prompt_wid
     return {"points": out}
 
 
+def worker_cost(work: Work, algo: str) -> dict:
+    """`bench --cost`: the tensors' peak from before the trainer is built to the end of its
+    second step (`labkit.probes.tensor_memory.TensorPeak`, the same window as a run's
+    perf/tensor_peak_mb), at MEMORY_LR with a coin-flip reward, and a third step timed outside that window; the update's
+    padded tokens (sequences x (prompt + longest completion)) of the second step."""
+    import torch
+
+    from labkit.probes.tensor_memory import TensorPeak
+
+    torch.set_flush_denormal(True)  # (worker_memory says why)
+    try:
+        peak = TensorPeak(work.device).start()
+        # a random model's answers are all wrong and cut at the budget: a coin for a verifier,
+        # scored on cut completions too, gives every group both rewards, so DPO has pairs to
+        # train on and every advantage is live
+        trainer = labkit_trainer(work, algo, lr=MEMORY_LR, critic_lr=MEMORY_LR,
+                                 reward="noisy(p=0.5)", score_truncated=True)
+        for step in (1, 2):
+            result = trainer.step(step, work.step_problems(step))
+            if peak.device.type == "cuda":
+                peak.observe(torch.cuda.max_memory_allocated() / 2**20)
+        peak_mb = peak.stop()
+        batch = result.batch
+        sequences = int(batch.completion_ids.shape[0])  # (prompt_ids: one row per prompt)
+        tokens = sequences * int(batch.prompt_ids.shape[1] + batch.completion_ids.shape[1])
+        sync()
+        start = time.perf_counter()
+        trainer.step(3, work.step_problems(3))
+        sync()
+        seconds = time.perf_counter() - start
+    finally:
+        torch.set_flush_denormal(False)
+    return {"peak_mb": peak_mb, "tokens": tokens, "step_s": seconds,
+            "sequences": sequences, "prompt": int(batch.prompt_ids.shape[1]),
+            "completion": int(batch.completion_ids.shape[1])}
+
+
 WORKERS = {"labkit": worker_labkit, "trl": worker_trl, "rollout": worker_rollout,
-           "memory": worker_memory, "scaling": worker_scaling}
+           "memory": worker_memory, "scaling": worker_scaling, "cost": worker_cost}
 
 
 def run_worker(name: str, work: Work, **kwargs) -> dict:

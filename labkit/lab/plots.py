@@ -285,7 +285,7 @@ def sweep_curves(histories: Mapping[str, Sequence[dict]], key: str, *,
 
 
 VERDICT_COLORS = {"supported": "#2ca02c", "refuted": "#d62728",
-                  "inconclusive at this budget": "#7f7f7f"}
+                  "inconclusive at this budget": "#7f7f7f", "not testable here": "#bcbd22"}
 
 
 def finding_intervals(rows: Sequence[dict], *, title: str | None = None) -> go.Figure:

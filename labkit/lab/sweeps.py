@@ -19,10 +19,14 @@ The YAML (its schema is repeated at the top of each file in experiments/):
       source: the article's title
       preregistered: {...}       #   the claim's test, fixed before it runs
                                  #   (labkit.lab.preregistration: article, measure, compare,
-                                 #   finding, direction, threshold, margin, seeds)
+                                 #   finding, direction, threshold, margin, seeds, and
+                                 #   control: the positive control a length or monitor
+                                 #   measure needs, or the file is refused)
       findings: [2, 3]           #   which of the notebook's findings answer it (default: all):
                                  #   numbers, or words that a finding's question contains
       note: how to read it       #   optional, printed under the page's table
+      restated: 05_x.yaml        #   optional: the file that restates this claim; its old
+                                 #   statement is still read from these runs, labelled
     claims: [{id: 4, ...}, ...]  # instead of claim: several claims answered by the same runs
     replication: [100]           # claims only: first seeds of the claim's replication, the
                                  #   same runs at seeds `seeds:` never reaches (not in smoke)
