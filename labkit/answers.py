@@ -161,6 +161,12 @@ STEP = re.compile(r"\d\s*[-+*]\s*\d+\s*=")
 """One written step of a worked solution, like '12+5='."""
 
 
+def written_steps(completion: str) -> int:
+    """How many steps a completion writes before its first \\boxed (like '3+4=', `STEP`); 0
+    for a direct answer."""
+    return len(STEP.findall(completion.split("\\boxed", 1)[0]))
+
+
 def is_worked(completion: str) -> bool:
     """Whether a completion works before it answers: a step like '3+4=' before its first
     \\boxed (anywhere, when it boxes nothing). A direct answer is the box alone."""

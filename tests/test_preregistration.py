@@ -416,3 +416,30 @@ def test_a_bad_control_is_one_line_naming_the_field(tmp_path, change, words):
     with pytest.raises(ValueError, match=re.escape(words)) as caught:
         load_sweep(path)
     assert str(caught.value).startswith("05_bad.yaml: claim 5: preregistered.control")
+
+
+def test_a_claim_over_a_grid_pairs_each_setting_of_one_prefix_with_the_others():
+    """Claim 20: every grpo-X run against the dpo-X run of the same seed, one exact paired
+    test over all the pairs; arms of neither prefix are left out."""
+    collapsed = {"grpo-lr1": [0, 0, 0, 0, 0], "grpo-lr3": [1, 1, 0, 1, 1],
+                 "grpo-lr9": [1, 1, 1, 1, 1], "dpo-lr1": [0, 0, 0, 0, 0],
+                 "dpo-lr3": [0, 0, 0, 0, 0], "dpo-lr9": [0, 1, 0, 0, 0], "ppo-lr1": [1] * 5}
+    records = [{"sweep_run": "seed=0", "arm": arm, "seed": s, "collapsed": v}
+               for arm, values in collapsed.items() for s, v in enumerate(values)]
+    result = _result({"measure": "collapse_difference", "compare": ["grpo-*", "dpo-*"],
+                      "direction": "above", "threshold": 0}, [])
+    result.records = records
+    decided = claims.claim_verdict(result)
+    grpo = [x for arm in ("grpo-lr1", "grpo-lr3", "grpo-lr9") for x in collapsed[arm]]
+    dpo = [x for arm in ("dpo-lr1", "dpo-lr3", "dpo-lr9") for x in collapsed[arm]]
+    from labkit.formulas import stats_design
+    want = stats_design.paired_binary([x > 0.5 for x in grpo], [y > 0.5 for y in dpo],
+                                      0.95).interval
+    assert f"3 settings (lr1, lr3, lr9), 15 pairs: {want.format(2)}" in decided.figure
+    assert decided.verdict == stats.SUPPORTED and want.low > 0
+    result.claim["preregistered"]["compare"] = ["dpo-*", "grpo-*"]
+    assert claims.claim_verdict(result).verdict == stats.REFUTED
+    with pytest.raises(ValueError, match="unknown arm 'sft-\\*'"):
+        preregistration.check({**result.claim, "preregistered": {
+            **result.claim["preregistered"], "compare": ["sft-*", "dpo-*"]}}, "x",
+            list(collapsed))

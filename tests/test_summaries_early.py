@@ -21,3 +21,14 @@ def test_the_early_rate_is_the_least_squares_slope_over_the_first_steps():
     assert abs(want - whole) > 0.1  # the window matters: the length saturates after step 15
     assert early_rate(history[:2], "rollout/length_mean") is None
     assert early_rate(history, "rollout/length_incorrect") is None
+
+
+def test_written_steps_count_the_sums_before_the_box():
+    from labkit.answers import written_steps
+    from labkit.formulas.metrics import form_stats
+
+    assert written_steps("3+4=7,7+5=12,12+1=13,\\boxed{13}") == 3
+    assert written_steps("\\boxed{13}") == 0
+    assert written_steps("3+4=7, so \\boxed{7} and 1+1=2") == 1  # after the box: not a step
+    stats = form_stats(["3+4=7,7+5=12,\\boxed{12}", "\\boxed{12}"], [1.0, 1.0], [20, 5])
+    assert stats["rollout/steps_mean"] == 1.0 and stats["rollout/worked_frac"] == 0.5

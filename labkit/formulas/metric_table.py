@@ -24,6 +24,8 @@ METRICS: dict[str, str] = {
     "rollout/truncated_frac": "fraction of completions that hit max_new_tokens without EOS",
     "rollout/worked_frac":
         "arithmetic: share of completions that work ('3+4=' before the box), not answer at once",
+    "rollout/steps_mean":
+        "arithmetic: mean number of steps ('3+4=') a completion writes before its box",
     "rollout/acc_worked": "arithmetic: correctness of the worked completions (absent if none)",
     "rollout/acc_direct": "arithmetic: correctness of the direct answers (absent if none)",
     "rollout/length_correct": "arithmetic: mean tokens of the correct completions (absent if none)",

@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import Tensor
 
-from labkit.answers import is_worked
+from labkit.answers import is_worked, written_steps
 from labkit.checks import float_like, float_tensor, zero_one
 from labkit.formulas.metric_table import METRICS  # the table lives there; re-exported here
 
@@ -226,7 +226,8 @@ def length_stats(mask, truncated=None) -> dict[str, float]:
 
 def form_stats(texts: Sequence[str], correct: Sequence[float], lengths) -> dict[str, float]:
     """How the step's completions answer: `rollout/worked_frac` (the share that works before
-    it answers, `labkit.answers.is_worked`), the correctness of each form (`rollout/acc_worked`,
+    it answers, `labkit.answers.is_worked`), `rollout/steps_mean` (the mean number of steps
+    each writes before it answers, `labkit.answers.written_steps`), the correctness of each form (`rollout/acc_worked`,
     `rollout/acc_direct`) and the mean length in tokens of the correct and the wrong
     completions (`rollout/length_correct`, `rollout/length_incorrect`); a form or class with
     no completion leaves its key out. `lengths` (N,): tokens per completion."""
@@ -236,7 +237,8 @@ def form_stats(texts: Sequence[str], correct: Sequence[float], lengths) -> dict[
                          f"{n}, {len(correct)} and {len(lengths)}")
     worked = [is_worked(t) for t in texts]
     lengths = [float(x) for x in lengths]
-    out = {"rollout/worked_frac": sum(worked) / n}
+    out = {"rollout/worked_frac": sum(worked) / n,
+           "rollout/steps_mean": sum(written_steps(t) for t in texts) / n}
     for key, rows in (("rollout/acc_worked", [c for w, c in zip(worked, correct) if w]),
                       ("rollout/acc_direct", [c for w, c in zip(worked, correct) if not w])):
         if rows:

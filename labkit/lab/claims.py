@@ -161,6 +161,8 @@ PER_SEED_MEASURES = {"gain": ("gain", 100.0, "difference"),
                      "early_length_rate": ("length_rate_early", 1.0, "difference"),
                      "early_length_rate_incorrect": ("length_incorrect_rate_early", 1.0,
                                                      "difference"),
+                     "early_steps_rate": ("steps_rate_early", 1.0, "difference"),
+                     "final_steps": ("steps_final", 1.0, "difference"),
                      "worked_change": (("worked_final", "worked_start"), 1.0, "change"),
                      "update_cosine": (("grpo_cosine", None), 1.0, "level")}
 """The primary measures a claim's per-seed record decides: measure -> (the record's
@@ -201,6 +203,8 @@ def _from_records(prereg, records: list[dict], looks: tuple[int, ...] | None = N
     if kind in ("within", "change", "level"):
         return _within(prereg, records, *key, looks=looks, change=kind == "change")
     table = _table(records, key, scale)
+    if all(c.endswith("*") for c in prereg.compare):
+        return _over_grid(prereg, table, kind)
     base = _arm(table, prereg.compare[1])
     every = prereg.compare[0] == "all"
     arm = None if every else _arm(table, prereg.compare[0])
@@ -230,6 +234,32 @@ def _from_records(prereg, records: list[dict], looks: tuple[int, ...] | None = N
         needed = stats_design.seeds_needed(interval, prereg.threshold)
         more = f"about {needed} seeds" if needed else ""
     return f"{figure}; {look}", verdict, more
+
+
+def _over_grid(prereg, table: dict, kind: str) -> tuple[str, str, str] | None:
+    """`compare: [grpo-*, dpo-*]`: every arm named by the first prefix against the arm of the
+    second prefix with the same rest of its name (grpo-lr1e-3 against dpo-lr1e-3), paired by
+    setting and seed, one interval over all the pairs at 95% (for a binary measure the exact
+    paired test); None where no setting has both."""
+    mine, theirs = (c[:-1] for c in prereg.compare)
+    a, b, settings = [], [], []
+    for arm in sorted(table):
+        if not arm.startswith(mine) or (theirs + arm[len(mine):]) not in table:
+            continue
+        other = table[theirs + arm[len(mine):]]
+        seeds = sorted(set(table[arm]) & set(other))
+        a += [table[arm][s] for s in seeds]
+        b += [other[s] for s in seeds]
+        settings.append(arm[len(mine):])
+    if not a:
+        return None
+    if len(a) < 2:
+        return (f"{len(a)} paired run, too few", stats.INCONCLUSIVE, "")
+    interval = _pair(kind, a, b, 0.95, 0.0)
+    figure = (f"{prereg.compare[0]} vs {prereg.compare[1]} over {len(settings)} settings "
+              f"({', '.join(settings)}), {len(a)} pairs: {interval.format(2)} "
+              f"({interval.method})")
+    return figure, prereg.decide(interval), ""
 
 
 def _within(prereg, records: list[dict], top: str, bottom: str,

@@ -7,7 +7,8 @@ sweep is loaded, before any run starts:
       article: "..."         # the article's statement, translated, with the article's numbers
       measure: gain          # the primary measure, a key of MEASURES
       compare: [rloo, grpo]  # for a measure between arms: the arm and the baseline (arms of
-                             #   the sweep); `all` for every arm against the baseline
+                             #   the sweep); `all` for every arm against the baseline;
+                             #   [grpo-*, dpo-*] pairs every grpo-X with dpo-X over a grid
       finding: "gains more"  # optional: words of the decisive finding's question
       direction: above       # above, below, two-sided or equivalent (labkit.formulas.stats_design.DIRECTIONS)
       threshold: 0           # the article's magnitude where it gives one, else no effect
@@ -73,6 +74,10 @@ MEASURES = {
                          "minus baseline, tokens per step",
     "early_length_rate_incorrect": "the same slope for the wrong completions' mean length, "
                                    "arm minus baseline, tokens per step",
+    "early_steps_rate": "the same slope for the mean number of steps a completion writes "
+                        "before it answers ('3+4='), arm minus baseline, steps per step",
+    "final_steps": "mean number of written steps over the last fifth of the steps, arm minus "
+                   "baseline",
 }
 """The primary measures a claim may name, with what each is."""
 
@@ -82,7 +87,7 @@ ONE_ARM = ("grad_rel_var_ratio", "critic_error_growth", "length_change", "worked
 
 NEEDS_CONTROL = ("final_length", "final_length_correct", "final_length_incorrect",
                  "length_change", "worked_change", "monitor_youden", "early_length_rate",
-                 "early_length_rate_incorrect")
+                 "early_length_rate_incorrect", "early_steps_rate", "final_steps")
 """Measures that can stay put whatever the claim (a length the task fixes, a monitor on runs
 that never collapse): a claim on one names a positive control."""
 
@@ -233,7 +238,8 @@ def check(claim: dict, where: str, arms: list[str] | None = None,
     if compare and check_arms:
         if arms is None:
             raise ValueError(f"{who}.compare names arms, but the sweep runs none")
-        bad = [c for i, c in enumerate(compare) if c not in arms and not (i == 0 and c == "all")]
+        bad = [c for i, c in enumerate(compare) if c not in arms and not (i == 0 and c == "all")
+               and not (c.endswith("*") and any(a.startswith(c[:-1]) for a in arms))]
         if bad:
             raise ValueError(f"{who}.compare: unknown arm {bad[0]!r}; the sweep's arms: "
                              f"{', '.join(arms)}")

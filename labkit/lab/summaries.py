@@ -123,8 +123,10 @@ def summary_rows(results: Mapping[str, RunResult]) -> list[dict]:
     completions over the last fifth (`length_correct_final`, `length_incorrect_final`), the area under the held-out
     accuracy curve (`accuracy_auc`), whether the run was found dead
     (`dead_run` 1 or 0; the early slopes of the mean length, of all completions and of the
-    wrong ones, over the first EARLY_STEPS steps (`length_rate_early`,
-    `length_incorrect_rate_early`, tokens per step); `dead_step`, the step it was found) and whether it collapsed
+    wrong ones, and of the mean number of written steps, over the first EARLY_STEPS steps
+    (`length_rate_early`, `length_incorrect_rate_early`, tokens per step;
+    `steps_rate_early`), with the written steps' first and last-fifth means (`steps_start`,
+    `steps_final`); `dead_step`, the step it was found) and whether it collapsed
     (`collapsed` 1 or 0; `collapse_step`, see `collapse_step`); for a run that measured
     diagnostics, its last measurement (`diag_step`, and each `diag/a/b` as `diag.a.b`); for a
     run that looked through the credit microscope, its last look (`credit_step`, and each
@@ -156,7 +158,8 @@ def summary_rows(results: Mapping[str, RunResult]) -> list[dict]:
         if lengths:
             row["length_start"] = lengths[0]
         for name, key in (("length_rate_early", "rollout/length_mean"),
-                          ("length_incorrect_rate_early", "rollout/length_incorrect")):
+                          ("length_incorrect_rate_early", "rollout/length_incorrect"),
+                          ("steps_rate_early", "rollout/steps_mean")):
             rate = early_rate(h, key)
             if rate is not None:
                 row[name] = rate
@@ -165,6 +168,10 @@ def summary_rows(results: Mapping[str, RunResult]) -> list[dict]:
             values = _values(h, key)
             if values:
                 row[name] = _mean(values[-max(1, len(values) // 5):])
+        steps = _values(h, "rollout/steps_mean")
+        if steps:
+            row["steps_start"] = steps[0]
+            row["steps_final"] = _mean(steps[-max(1, len(steps) // 5):])
         worked = _values(h, "rollout/worked_frac")
         if worked:
             row["worked_start"] = worked[0]
