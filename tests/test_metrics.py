@@ -523,10 +523,11 @@ def test_form_stats_by_hand():
     out = M.form_stats(texts, [1.0, 1.0, 0.0, 0.0], [10, 4, 4, 16])
     assert out == {"rollout/worked_frac": 0.5, "rollout/acc_worked": 0.5,
                    "rollout/acc_direct": 0.5, "rollout/length_correct": 7.0,
-                   "rollout/length_incorrect": 10.0}
+                   "rollout/length_incorrect": 10.0,
+                   "rollout/steps_mean": 0.75}  # 1, 0, 0 and 2 steps written
     direct_only = M.form_stats(["\\boxed{3}"], [1.0], [4])
     assert direct_only == {"rollout/worked_frac": 0.0, "rollout/acc_direct": 1.0,
-                           "rollout/length_correct": 4.0}
+                           "rollout/length_correct": 4.0, "rollout/steps_mean": 0.0}
     assert set(out) <= set(M.METRICS)
     with pytest.raises(ValueError, match="same N"):
         M.form_stats(["\\boxed{3}"], [1.0, 0.0], [4])
