@@ -208,6 +208,28 @@ def test_monitor_findings_ask_whether_a_line_fires_before_the_collapse():
     assert "Clopper-Pearson" in warned.interval.method
 
 
+def test_a_scoped_monitor_line_reads_only_its_algorithms_runs():
+    """'grpo: rule' judges the rule on GRPO's runs alone: PPO's runs, here a warned collapse
+    and a false alarm, change nothing; a line that is not one stop rule is refused."""
+    def history(entropies):
+        return [{"step": s, "policy/entropy": e} for s, e in enumerate(entropies, 1)]
+
+    low, quiet = history([0.5] * 6 + [2.0] * 4), history([2.0] * 10)
+    histories = {"g1": low, "g2": quiet, "p1": low, "p2": low}
+    rows = [{"run": "g1", "algo": "grpo", "collapsed": 1, "collapse_step": 8},
+            {"run": "g2", "algo": "grpo", "collapsed": 0},
+            {"run": "p1", "algo": "ppo", "collapsed": 1, "collapse_step": 8},
+            {"run": "p2", "algo": "ppo", "collapsed": 0}]
+    lines = questions.parse_monitors("grpo: policy/entropy<1 for 5; policy/entropy<1 for 5")
+    grpo_joint, _, _, every_joint, _, _ = questions.monitor_findings(rows, histories, lines)
+    assert grpo_joint.question.startswith("policy/entropy<1 for 5 on grpo runs warns")
+    assert grpo_joint.interval.mean == 1.0  # GRPO: warned 1 of 1, false alarms 0 of 1
+    assert every_joint.interval.mean == 0.5  # all four runs: 2 of 2 warned, 1 of 2 false
+    assert questions.parse_monitors("") == questions.MONITORS
+    with pytest.raises(ValueError, match="monitors: 'grpo: entropy<<1' is not one stop rule"):
+        questions.parse_monitors("grpo: entropy<<1")
+
+
 def test_diagnostic_findings_take_the_critic_over_the_group_per_run():
     keys = ("diag/grad_rel_var_raw/ppo_critic", "diag/grad_rel_var_raw/grpo",
             "diag/grad_rel_var/ppo_gae", "diag/grad_rel_var/grpo",

@@ -24,7 +24,7 @@ from labkit.lab.experiments import (BUDGETS, DEFAULT_ARMS, NOTEBOOK_DEFAULTS, ba
                                     project_root, resolve_run_dir, run_all, run_config, seed_list,
                                     setup)
 from labkit.lab.questions import (MONITORS, QUESTIONS, answer, diagnostic_findings, factor_findings,
-                                  informative_findings, monitor_findings)
+                                  informative_findings, monitor_findings, parse_monitors)
 from labkit.lab.summaries import (arms_table, describe, describe_diagnostics, describe_sweep,
                                   final_diagnostics, flat_summary, live_outputs, state_mb,
                                   summary_rows, sweep_rows, write_outputs)
@@ -32,7 +32,7 @@ from labkit.lab.verdicts import (Finding, algo_findings, arm_findings, arm_rows,
                                  findings_summary, group_size_findings, grpo_vs_ppo)
 from labkit.lab.widgets import live_controls
 
-__all__ = ["BUDGETS", "DEFAULT_ARMS", "MONITORS", "NOTEBOOK_DEFAULTS", "QUESTIONS", "Finding",
+__all__ = ["parse_monitors", "BUDGETS", "DEFAULT_ARMS", "MONITORS", "NOTEBOOK_DEFAULTS", "QUESTIONS", "Finding",
            "answer", "arms_table", "arm_findings", "arm_rows", "diagnostic_findings", "factor_findings",
            "monitor_findings", "parse_fields", "informative_findings", "informative_prediction",
            "batch_prompts_for", "compare", "first_and_last_rollouts", "compare_arms", "describe", "describe_diagnostics", "describe_findings",

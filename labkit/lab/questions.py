@@ -100,10 +100,15 @@ def monitor_findings(rows: Sequence[dict], histories: Mapping[str, Sequence[dict
 
     found = []
     for text in monitors:
+        scope, text = _scope(text)
         (rule,) = stops.parse(text)
+        runs = [r for r in rows if scope is None or r.get("algo") == scope
+                or str(r.get("arm", "")).startswith(scope)]
+        where = f" on {scope} runs" if scope else ""
         warned = [_fires(rule, histories[r["run"]], before=r.get("collapse_step"))
-                  for r in rows if r["collapsed"]]
-        false = [_fires(rule, histories[r["run"]]) for r in rows if not r["collapsed"]]
+                  for r in runs if r["collapsed"]]
+        false = [_fires(rule, histories[r["run"]]) for r in runs if not r["collapsed"]]
+        rule = f"{rule}{where}"
         if warned and false:
             hit, alarm = sum(warned), sum(false)
             table = [[hit, len(warned) - hit], [alarm, len(false) - alarm]]
@@ -127,6 +132,30 @@ def monitor_findings(rows: Sequence[dict], histories: Mapping[str, Sequence[dict
                                  stats.proportion_interval(sum(false), len(false)),
                                  below=0.5))
     return found
+
+
+def _scope(text: str) -> tuple[str | None, str]:
+    """'grpo: adv/gav>0.45 for 5' -> ('grpo', the rule): a line read on the runs of one
+    algorithm (or of the arms whose names start so); a rule alone reads every run."""
+    head, sep, rest = text.partition(":")
+    if sep and head.strip() and "/" not in head and all(c.isalnum() or c in "-_" for c in
+                                                          head.strip()):
+        return head.strip(), rest.strip()
+    return None, text.strip()
+
+
+def parse_monitors(text: str) -> tuple[str, ...]:
+    """Notebook 05's `monitors`: lines separated by ';', each a stop rule
+    (`labkit.run.stops`) with an optional scope ('ppo: clip/total>0.2 for 5'); empty: the
+    articles' lines, MONITORS. ValueError naming the line that does not parse."""
+    lines = tuple(part.strip() for part in (text or "").split(";") if part.strip())
+    for line in lines:
+        _, rule = _scope(line)
+        try:
+            (_,) = stops.parse(rule)
+        except ValueError as e:
+            raise ValueError(f"monitors: {line!r} is not one stop rule ({e})") from None
+    return lines or MONITORS
 
 
 MONITOR_SWEEP = {"adv/gav>{} for 5": (0.2, 0.3, 0.4, 0.5, 0.6),
@@ -339,10 +368,10 @@ QUESTIONS = ("gain", "length", "collapse", "monitors", "diagnostics")
 
 def answer(questions: Sequence[str], rows: Sequence[dict],
            histories: Mapping[str, Sequence[dict]], arms: Mapping[str, Mapping],
-           baseline: str | None = None) -> list[Finding]:
+           baseline: str | None = None, monitors: Sequence[str] = MONITORS) -> list[Finding]:
     """Notebook 05's findings for `questions` (QUESTIONS), in that order: gain and length
     against the baseline (`arm_findings`), collapse (`factor_findings`), monitors
-    (`monitor_findings`), diagnostics (`diagnostic_findings`)."""
+    (`monitor_findings`, on `monitors`), diagnostics (`diagnostic_findings`)."""
     unknown = [q for q in questions if q not in QUESTIONS]
     if unknown:
         raise ValueError(f"questions: {unknown} unknown; choose from {QUESTIONS}")
@@ -353,7 +382,7 @@ def answer(questions: Sequence[str], rows: Sequence[dict],
         elif q == "collapse":
             found += factor_findings(rows, arms)
         elif q == "monitors":
-            found += monitor_findings(rows, histories)
+            found += monitor_findings(rows, histories, monitors)
         else:
             found += diagnostic_findings(rows, histories)
     return found
