@@ -166,6 +166,50 @@ def finding_row(summary: dict, k: int, run_id: str) -> dict:
             "threshold": threshold, "direction": direction}
 
 
+FINDING_KEYS = ("claim", "run", "question", "measure", "effect", "seeds", "method", "verdict",
+                "mean", "low", "high", "threshold", "direction")
+"""The columns of a claim file's stored findings (<record>-findings.csv beside its per-seed
+record): what its finished runs' notebooks found, so that a page written after the runs are
+gone still reads a claim decided by a finding (claim 3's prediction, a monitor's J)."""
+
+
+def write_finding_rows(results: list[ClaimResult], path: str | Path) -> Path:
+    """The findings of `results` (the claims of one record) as CSV, one row per claim and
+    finding (FINDING_KEYS)."""
+    import csv
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, FINDING_KEYS, extrasaction="ignore")
+        writer.writeheader()
+        for result in results:
+            for row in result.rows:
+                writer.writerow({**row, "claim": result.claim.get("id", "")})
+    return path
+
+
+def read_finding_rows(path: str | Path, claim_id) -> list[dict]:
+    """The rows of `write_finding_rows` for one claim, numbers as numbers."""
+    import csv
+
+    out = []
+    with Path(path).open(newline="", encoding="utf-8") as f:
+        for row in csv.DictReader(f):
+            if str(row.pop("claim")) != str(claim_id):
+                continue
+            for key in ("mean", "low", "high", "threshold"):
+                row[key] = float(row[key]) if row.get(key) not in ("", None) else None
+            row["seeds"] = int(float(row["seeds"])) if row.get("seeds") else 0
+            out.append(row)
+    return out
+
+
+def findings_name(result: ClaimResult) -> str:
+    """<claim file>-findings.csv (a replication's: <claim file>-replication-findings.csv)."""
+    return result.record_name.removesuffix(".csv") + "-findings.csv"
+
+
 def _machines(run_path: Path) -> tuple[set[str], set[str]]:
     """The CPU kinds ('AVX512, 1 thread') and the short git commits of the training runs
     under `run_path`, from their config.json files."""
@@ -264,6 +308,9 @@ def _finish(result: ClaimResult, done: list, facts: list, records_dir) -> None:
     stored = Path(records_dir) / result.record_name if records_dir else None
     if not done and stored is not None and stored.is_file():
         result.records = read_records(stored)
+    found = Path(records_dir) / findings_name(result) if records_dir else None
+    if not done and found is not None and found.is_file():
+        result.rows += read_finding_rows(found, result.claim.get("id", ""))
     for run, ((kinds, commits), elapsed, compute) in zip(done, facts):
         result.rows += [finding_row(run.summary, k, run.id)
                         for k in selected(run.summary, result.claim.get("findings"))]
@@ -380,6 +427,9 @@ def write_findings(out: str | Path = FINDINGS_PAGE, claims_dir: str | Path = CLA
     results = collect(claims_dir, root, smoke, records_dir=folder)
     for result in {r.record_name: r for r in results if r.runs_done}.values():  # one per file
         write_records(result.records, folder / result.record_name)
+        if any(r.rows for r in results if r.record_name == result.record_name):
+            write_finding_rows([r for r in results if r.record_name == result.record_name],
+                               folder / findings_name(result))
     drawn = None
     if figures:
         try:

@@ -37,7 +37,8 @@ def table_rows(results: list[ClaimResult]) -> list[dict]:
         for row in r.rows:
             where = "" if row["run"] == "seed=0" else f" ({row['run']})"
             out.append({"claim": head, "source": source, "number": number,
-                        "measured": f"{row['question']}: {row['measure']}{where}",
+                        "measured": f"{row['question']}"
+                                    f"{': ' + row['measure'] if row['measure'] else ''}{where}",
                         "effect [95% CI]": row["effect"], "seeds": row["seeds"],
                         "method": row["method"], "machine": machine, "verdict": row["verdict"]})
     return out
