@@ -208,7 +208,11 @@ def run_cost(args) -> dict:
     work = cost_model.COST_WORK
     stages = Stages(len(shapes) * len(cost_model.ALGOS), quiet=args.quiet)
     measure = stages.counted(run_worker)
-    rows = []
+    rows: list[dict] = []
+    failed: list[dict] = []
+    out = Path(args.out) if getattr(args, "out", None) else None
+    if out is not None:
+        check_out(out)
     with tempfile.TemporaryDirectory() as tmp:
         prompts = long_prompts(8, work["prompt_tokens"])
         for name in shapes:
@@ -221,8 +225,14 @@ def run_cost(args) -> dict:
             for algo in cost_model.ALGOS:
                 stages.say(f"[bench] cost: {name}, {algo}")
                 # DPO's own beta is dpo_beta; it always holds a reference
-                found = measure("cost", replace(spec, beta=0.0) if algo == "dpo" else spec,
-                                algo=algo)
+                try:
+                    found = measure("cost", replace(spec, beta=0.0) if algo == "dpo" else spec,
+                                    algo=algo)
+                except RuntimeError as e:  # the others still run; the row says why it is not
+                    failed.append({"shape": name, "algo": algo, "error": str(e).splitlines()[-1]})
+                    stages.say(f"[bench] cost: {name}, {algo} failed: {failed[-1]['error']}")
+                    _save_cost(out, rows, failed)
+                    continue
                 shape = COST_SHAPES[name]
                 rows.append({"shape": name, "algo": algo, "precision": precision,
                              "tokens": found["tokens"], "peak_mb": found["peak_mb"],
@@ -230,10 +240,14 @@ def run_cost(args) -> dict:
                              "flops": cost_model.step_flops(shape, algo, found["sequences"],
                                                             found["prompt"],
                                                             found["completion"])})
+                stages.say(f"[bench] cost: {name}, {algo}: tensors' peak "
+                           f"{found['peak_mb']:,.0f} MiB, step {found['step_s']:.2f} s")
+                _save_cost(out, rows, failed)  # a later failure loses nothing measured
             shutil.rmtree(path, ignore_errors=True)  # a 0.5 B model is 2 GB on disk
     stages.close()
-    summary: dict = {"device": device, "precision": precision, "rows": rows}
-    if all(any(r["shape"] == f for r in rows) for f in cost_model.FIT):
+    summary: dict = {"device": device, "precision": precision, "rows": rows, "failed": failed}
+    if all(any(r["shape"] == f and r["algo"] == a for r in rows)
+           for f in cost_model.FIT for a in {r["algo"] for r in rows}) and rows:
         print(cost_model.table(rows))
         summary["held_out"] = cost_model.held_out(rows)
         summary["predictions"] = cost_model.predictions(rows)
@@ -241,7 +255,18 @@ def run_cost(args) -> dict:
         print("\n".join(f"{r['shape']} {r['algo']}: {r['peak_mb']:.0f} MiB, {r['step_s']:.2f} s"
                         for r in rows))
         print(f"(the cost model needs {', '.join(cost_model.FIT)} measured)")
+    for f in failed:
+        print(f"{f['shape']} {f['algo']}: not measured ({f['error']})")
+    if out is not None:
+        out.write_text(json.dumps(summary, indent=1) + "\n")
     return summary
+
+
+def _save_cost(out: Path | None, rows: list[dict], failed: list[dict]) -> None:
+    """--out after each cost measurement: the rows so far (replaced whole, never appended)."""
+    if out is not None:
+        out.write_text(json.dumps({"rows": rows, "failed": failed, "partial": True}, indent=1)
+                       + "\n")
 
 
 class Stages:

@@ -270,6 +270,9 @@ def run_worker(name: str, work: Work, **kwargs) -> dict:
                           capture_output=True, text=True, env=env)
     if done.returncode != 0:
         tail = "\n".join(done.stderr.strip().splitlines()[-15:])
+        if done.returncode < 0:  # a signal: SIGKILL is most often the kernel out of memory
+            tail += (f"\n(killed by signal {-done.returncode}"
+                     f"{', most likely out of memory' if done.returncode == -9 else ''})")
         raise RuntimeError(f"the {name} measurement failed:\n{tail}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
