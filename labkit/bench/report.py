@@ -40,7 +40,9 @@ def summarize(results: dict, *, params: int, device: str, precision: dict, args)
             if k.startswith(("labkit_", "trl_"))}
     roll = results["rollout"]
     tok_s = {name: roll["tokens"] / median(s) for name, s in roll["seconds"].items()}
-    mem = {algo: results[f"memory_{algo}"]["peak_growth_mb"] for algo in ("grpo", "ppo")}
+    # the tensors' peak where the worker measured it; the process's growth as context
+    mem = {algo: _tensors(results[f"memory_{algo}"]) for algo in ("grpo", "ppo")}
+    rss = {algo: results[f"memory_{algo}"]["peak_growth_mb"] for algo in ("grpo", "ppo")}
     summary = {
         "trl_step_ratio_tiny": step["labkit_tiny"] / step["trl_tiny"],
         "trl_step_ratio_small": step["labkit_small"] / step["trl_small"],
@@ -54,6 +56,7 @@ def summarize(results: dict, *, params: int, device: str, precision: dict, args)
         "rollout_tokens_per_s_generate": tok_s["generate"],
         "rollout_identical": roll["identical"],
         "grpo_peak_mb": mem["grpo"], "ppo_peak_mb": mem["ppo"],
+        "grpo_process_growth_mb": rss["grpo"], "ppo_process_growth_mb": rss["ppo"],
         "memory_same_completions": results["memory_grpo"]["completions"] ==
         results["memory_ppo"]["completions"],
         "memory_tokens_per_step": results["memory_grpo"]["tokens"],
@@ -99,11 +102,18 @@ def target_verdict(interval: Interval, key: str) -> str:
     return verdict(interval, below=bound) if op == "<=" else verdict(interval, above=bound)
 
 
+def _tensors(measured: dict) -> float:
+    """A memory worker's figure: its tensors' peak, or for a summary written before the
+    workers measured it, the process's growth."""
+    value = measured.get("tensor_peak_mb")
+    return measured["peak_growth_mb"] if value is None else value
+
+
 def _lora_figures(results: dict) -> dict:
     """The LoRA memory row, if measured: peak growth with LoRA / with full fine-tuning."""
     if "memory_lora" not in results:
         return {}
-    lora, full = (results[f"memory_{k}"]["peak_growth_mb"] for k in ("lora", "full"))
+    lora, full = (_tensors(results[f"memory_{k}"]) for k in ("lora", "full"))
     return {"lora_full_memory_ratio": lora / full, "lora_peak_mb": lora, "full_peak_mb": full,
             "lora_same_completions": results["memory_lora"]["completions"] ==
             results["memory_full"]["completions"]}
@@ -230,7 +240,7 @@ def table(summary: dict) -> str:
          f"{s['trl_step_s_small']:.3f} s (TRL)", "trl_step_ratio_small"),
         ("rollout, small (4x8, greedy, 64 tok)", f"{s['rollout_tokens_per_s_labkit']:.0f} tok/s",
          f"{s['rollout_tokens_per_s_generate']:.0f} tok/s (generate)", "rollout_speedup_small"),
-        ("peak memory, small, GRPO vs PPO", f"{s['grpo_peak_mb']:.0f} MB",
+        ("tensors' peak, small, GRPO vs PPO", f"{s['grpo_peak_mb']:.0f} MB",
          f"{s['ppo_peak_mb']:.0f} MB (PPO)", "grpo_ppo_memory_ratio"),
     ]
     lines = [f"{'comparison':<44}{'labkit':>14}{'peer':>26}{'ratio':>8}  target",

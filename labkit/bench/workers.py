@@ -16,6 +16,7 @@ from labkit.bench.floor import step_floor
 from labkit.bench.inputs import Work
 from labkit.bench.timing import TIMES, labkit_trainer, step_times, sync
 from labkit.model.learner import peak_rss_mb
+from labkit.probes.tensor_memory import TensorPeak
 
 MEMORY_LR = 1e-30
 """lr and critic_lr of the memory comparison. A step's memory depends on its shapes, not on
@@ -167,7 +168,9 @@ def import_trainer_code(work: Work, lora: bool = False) -> None:
 
 
 def worker_memory(work: Work, algo: str, **overrides) -> dict:
-    """Peak memory growth of building the trainer (`overrides` on its TrainConfig) and
+    """The tensors' peak (`tensor_peak_mb`, labkit.probes.tensor_memory on the CPU, the
+    allocator's growth on CUDA) and the process's peak memory growth (`peak_growth_mb`,
+    context on the CPU) of building the trainer (`overrides` on its TrainConfig) and
     running `work.steps` steps at `MEMORY_LR`, from a baseline taken once the code they run
     is imported (`import_trainer_code`); each step's completion token count and
     fingerprint."""
@@ -189,14 +192,19 @@ def worker_memory(work: Work, algo: str, **overrides) -> dict:
             base = torch.cuda.memory_allocated()
         else:
             base = _rss_mb()
+        tensors = None if cuda else TensorPeak("cpu").start()
         trainer = labkit_trainer(work, algo, lr=MEMORY_LR, critic_lr=MEMORY_LR, **overrides)
         times = step_times(trainer, work, work.steps, 0)
         peak = torch.cuda.max_memory_allocated() / 2**20 - base / 2**20 if cuda \
             else peak_rss_mb() - base
+        # the tensors' peak: on CUDA the allocator's growth is that already; on the CPU the
+        # allocator's own events (the process's growth stays as context)
+        tensor_peak = peak if cuda else tensors.stop()
     finally:
         torch.set_flush_denormal(False)
-    return {"peak_growth_mb": peak, "algo": algo, "lr": trainer.config.lr,
-            "tokens": times["tokens"], "completions": times["completions"]}
+    return {"peak_growth_mb": peak, "tensor_peak_mb": tensor_peak, "algo": algo,
+            "lr": trainer.config.lr, "tokens": times["tokens"],
+            "completions": times["completions"]}
 
 
 def worker_scaling(work: Work, groups: list[int], lengths: list[int], prompt_width: int,
@@ -224,8 +232,6 @@ def worker_cost(work: Work, algo: str) -> dict:
     perf/tensor_peak_mb), at MEMORY_LR with a coin-flip reward, and a third step timed outside that window; the update's
     padded tokens (sequences x (prompt + longest completion)) of the second step."""
     import torch
-
-    from labkit.probes.tensor_memory import TensorPeak
 
     torch.set_flush_denormal(True)  # (worker_memory says why)
     try:
