@@ -149,7 +149,7 @@ def test_a_pair_is_decided_from_the_per_seed_record_with_the_evaluation_floor():
     assert claims.claim_verdict(result).verdict == stats.SUPPORTED
 
 
-def test_every_arm_against_one_is_decided_together_by_dunnett():
+def test_every_arm_against_one_is_decided_arm_by_arm_with_bonferroni():
     rng = __import__("numpy").random.default_rng(0)
     arms = {name: list(0.3 + 0.002 * rng.standard_normal(6)) for name in
             ("grpo", "rloo", "dr_grpo", "none")}
@@ -158,7 +158,7 @@ def test_every_arm_against_one_is_decided_together_by_dunnett():
     claim = _result(two_sided, []).claim
     same = claims.claim_verdict(claims.ClaimResult(Path("09.yaml"), claim,
                                                        records=_records(arms)))
-    assert same.verdict == stats.REFUTED and "3 arms vs grpo, Dunnett" in same.figure
+    assert same.verdict == stats.REFUTED and "3 arms vs grpo, Bonferroni" in same.figure
     assert "5 seeds, look 1 of 1" in same.figure  # the plan's 5 seeds, not the 6 run
     arms["rloo"] = [v + 0.05 for v in arms["rloo"]]
     moved = claims.claim_verdict(claims.ClaimResult(Path("09.yaml"), claim,
@@ -167,12 +167,21 @@ def test_every_arm_against_one_is_decided_together_by_dunnett():
 
 
 def test_a_paired_collapse_is_decided_by_its_exact_test():
+    """5 of 5 seeds discordant at look 1 of 2: McNemar's exact one-sided p is 1/32 = 0.031,
+    above the 0.0155 the look spends a side, so not supported whatever the interval says;
+    10 of 10 at look 2 (p = 1/1024) is."""
     prereg = {"measure": "collapse_difference", "compare": ["kl0", "kl01"],
-              "direction": "above", "threshold": 0}
-    records = _records({"kl0": [1] * 10, "kl01": [0] * 10}, key="collapsed")
-    decided = claims.claim_verdict(claims.ClaimResult(
-        Path("04.yaml"), _result(prereg, []).claim, records=records))
+              "direction": "above", "threshold": 0, "seeds": 10}
+    claim = _result(prereg, []).claim
+    claim["preregistered"]["seeds"] = 10
+    five = _records({"kl0": [1] * 5, "kl01": [0] * 5}, key="collapsed")
+    decided = claims.claim_verdict(claims.ClaimResult(Path("04.yaml"), claim, records=five))
+    assert decided.verdict == stats.INCONCLUSIVE, decided
+    assert "exact one-sided p 0.0312 (a side may spend 0.0155)" in decided.figure
+    ten = _records({"kl0": [1] * 10, "kl01": [0] * 10}, key="collapsed")
+    decided = claims.claim_verdict(claims.ClaimResult(Path("04.yaml"), claim, records=ten))
     assert decided.verdict == stats.SUPPORTED and "McNemar" in decided.figure
+    assert "look 2 of 2" in decided.figure and "exact one-sided p 0.000977" in decided.figure
 
 
 def test_findings_all_runs_each_claims_batches_until_it_is_decided(tmp_path, monkeypatch):

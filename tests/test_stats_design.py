@@ -254,3 +254,77 @@ def test_seeds_needed_is_where_the_detectable_effect_meets_the_observed_one():
     found = np.mean([stats.mean_interval(rng.normal(interval.mean, sd, n)).low > 0
                      for _ in range(RUNS)])
     assert 0.75 <= found <= 0.88, found
+
+
+# --- each arm its own spread; the exact test decides paired 0/1 outcomes -------------------------
+
+def _bound(nominal: float, runs: int = RUNS) -> float:
+    """The most a false-verdict rate may read: nominal plus 3 Monte Carlo standard errors."""
+    return nominal + 3 * math.sqrt(nominal * (1 - nominal) / runs)
+
+
+def test_one_collapsed_seed_gets_no_decisive_interval_from_the_others_spread():
+    """Claim 10's dppo_kl against grpo: differences -36.8, -2.9, 0.3, -4.7, -2.4 (one seed
+    collapsed) among 22 arms of SD about 2. The pooled residual lends it the others' spread
+    and an interval below 0; its own paired differences give none."""
+    rng = _rng(20)
+    base = rng.normal(0.5, 0.02, 5)
+    table = {"grpo": dict(enumerate(base)),
+             "dppo_kl": dict(enumerate(base + np.array([-36.8, -2.9, 0.3, -4.7, -2.4]) / 100))}
+    for i in range(22):
+        table[f"arm{i}"] = dict(enumerate(base + rng.normal(0, 0.02, 5)))
+    pooled = {c.arm: c for c in stats_design.many_vs_one(table, "grpo")}["dppo_kl"]
+    own = {c.arm: c for c in stats_design.paired_vs_one(table, "grpo")}["dppo_kl"]
+    assert pooled.interval.high < 0  # decisive, from the other arms' spread
+    assert own.interval.low < 0 < own.interval.high  # not decisive from its own
+    assert "each arm its own spread" in own.interval.method
+
+
+@pytest.mark.parametrize("spread", ["one arm 8x", "a collapse tail"])
+def test_arms_against_one_keep_the_family_wise_level_with_unequal_spreads(spread):
+    """Five arms against one, five seeds, no arm differs: 'some arm lies above' at a look that
+    spends 1.55% a side (96.9%) is read in at most 1.55% + 3 MC SE of 2,000 experiments,
+    with one arm 8 times the others' spread, or every arm's differences from a heavy tail
+    (a seed collapses, -30 or +30, with probability 5% each side)."""
+    rng = _rng(21 if spread == "one arm 8x" else 22)
+    level, side = 0.969, 0.0155
+    wrong = 0
+    for _ in range(RUNS):
+        seed_effect = rng.normal(0, 2, 5)
+        table = {"base": dict(enumerate(seed_effect + rng.normal(0, 1, 5)))}
+        for i in range(5):
+            if spread == "one arm 8x":
+                noise = rng.normal(0, 8 if i == 0 else 1, 5)
+            else:
+                noise = rng.normal(0, 1, 5) + 30 * rng.choice([-1, 0, 1], 5, p=[0.05, 0.9, 0.05])
+            table[f"a{i}"] = dict(enumerate(seed_effect + noise))
+        found = stats_design.paired_vs_one(table, "base", confidence=level)
+        wrong += any(stats_design.decide(c.interval, "above") == stats.SUPPORTED for c in found)
+    assert wrong / RUNS <= _bound(side), (spread, wrong / RUNS)
+
+
+def test_the_exact_test_holds_a_paired_collapse_at_its_level_for_every_null_table():
+    """Every paired 0/1 table at n = 5, under the null that each discordant seed is a coin
+    (McNemar's): the chance of 'supported' at a look spending 1.55% a side is at most 1.55%,
+    whatever the number of discordant seeds; the Newcombe interval alone says 'supported' at
+    4 of 4 discordant (and one seed where both collapse): a null rate of 1/16."""
+    from scipy import stats as sps
+
+    side = 0.0155
+    interval_only = 0.0
+    for discordant in range(6):
+        for both in range(6 - discordant):
+            rate = by_interval = 0.0
+            for only_a in range(discordant + 1):
+                a = [1] * both + [1] * only_a + [0] * (discordant - only_a)
+                b = [1] * both + [0] * only_a + [1] * (discordant - only_a)
+                pad = 5 - len(a)
+                found = stats_design.paired_binary(a + [0] * pad, b + [0] * pad, 0.969)
+                pmf = sps.binom.pmf(only_a, discordant, 0.5)
+                if stats_design.decide_binary(found, "above") == stats.SUPPORTED:
+                    rate += pmf
+                if stats_design.decide(found.interval, "above") == stats.SUPPORTED:
+                    by_interval += pmf
+            assert rate <= side, (discordant, both, rate)
+            interval_only = max(interval_only, by_interval)
+    assert interval_only == pytest.approx(1 / 16)

@@ -2,9 +2,11 @@
 
 `decide` reads an interval in one of `DIRECTIONS` (above, below, two-sided, or equivalent
 within a margin: two one-sided tests on the `tost_interval`). Many arms that share seeds
-against one baseline are analysed together (`many_vs_one`: arm x seed ANOVA with the residual
-pooled, Dunnett's simultaneous intervals or Holm's step-down p-values), a 0/1 outcome on
-paired seeds (a collapse) by McNemar's exact test (`paired_binary`). Seeds come in batches
+against one baseline are compared each from its own paired differences (`paired_vs_one`:
+Bonferroni's simultaneous intervals, Holm's step-down p-values; `many_vs_one`, the arm x seed
+ANOVA with one pooled residual, assumes equal spreads and is kept for reference), a 0/1
+outcome on paired seeds (a collapse) decided by McNemar's exact test (`paired_binary`,
+`decide_binary`). Seeds come in batches
 until a claim is decided (`SequentialPlan`, `sequential_decide`), and `seeds_needed` says
 how many an undecided one would take. Each procedure is checked against a reference and by
 simulation in tests/test_stats_design.py.
@@ -14,11 +16,13 @@ from __future__ import annotations
 
 import functools
 import math
+import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from labkit.formulas.stats import (INCONCLUSIVE, REFUTED, SUPPORTED, Interval, check_confidence,
-                                    finite_values, mean_interval, min_detectable, verdict)
+                                    finite_values, mean_interval, min_detectable,
+                                    paired_interval, verdict)
 
 # --- claims as stated: two-sided, equivalence, many arms against one, paired binary ---------
 
@@ -144,6 +148,46 @@ def many_vs_one(table: dict[str, dict], baseline: str, confidence: float = 0.95,
                        p, q) for arm, d, p, q in zip(arms[1:], diffs, ps, adjusted)]
 
 
+def paired_vs_one(table: dict[str, dict], baseline: str, confidence: float = 0.95,
+                  unit: str = "seeds") -> list[Comparison]:
+    """Every arm against `baseline`, each from its own paired differences: the paired t
+    interval at Bonferroni's level 1 - (1 - confidence) / k for k arms (simultaneous, with no
+    assumption that the arms' spreads are equal, where `many_vs_one`'s pooled residual lets
+    one volatile arm borrow the others' spread), Holm's step-down p-values over the k paired
+    t tests. `table`: arm -> seed -> value, every arm on the baseline's seeds."""
+    from scipy import stats
+
+    check_confidence(confidence)
+    if baseline not in table:
+        raise ValueError(f"baseline {baseline!r} is not an arm (arms: {list(table)})")
+    arms = [a for a in table if a != baseline]
+    seeds = list(table[baseline])
+    if not arms or len(seeds) < 2:
+        raise ValueError(f"paired_vs_one needs >= 1 arm beside the baseline and >= 2 seeds, got "
+                         f"{len(arms)} and {len(seeds)}")
+    k = len(arms)
+    level = 1 - (1 - confidence) / k
+    found, ps = [], []
+    for arm in arms:
+        if sorted(map(str, table[arm])) != sorted(map(str, seeds)):
+            raise ValueError(f"every arm must run the same seeds: {arm!r} has "
+                             f"{sorted(table[arm])}, {baseline!r} {sorted(seeds)}")
+        d = [float(table[arm][s]) - float(table[baseline][s]) for s in seeds]
+        interval = paired_interval([table[arm][s] for s in seeds],
+                                   [table[baseline][s] for s in seeds], level, unit)
+        sd = statistics.stdev(d)
+        mean = sum(d) / len(d)
+        p = (1.0 if mean == 0 else 0.0) if sd == 0 else float(
+            2 * stats.t.sf(abs(mean) / (sd / math.sqrt(len(d))), len(d) - 1))
+        ps.append(p)
+        method = (f"paired t over {len(d)} {unit}, Bonferroni over {k} arms vs {baseline} "
+                  f"(each arm its own spread)")
+        found.append((arm, Interval(interval.mean, interval.low, interval.high, interval.n,
+                                    method, confidence)))
+    return [Comparison(arm, interval, p, q)
+            for (arm, interval), p, q in zip(found, ps, holm(ps))]
+
+
 def holm(ps: Sequence[float]) -> list[float]:
     """Holm's step-down adjusted p-values, in the order given: the i-th smallest p times
     (m - i + 1), made monotone, capped at 1."""
@@ -206,6 +250,38 @@ def _dunnett_cached(k: int, df: float, confidence: float) -> float:
         raise ValueError(f"dunnett_quantile needs k >= 1 and df > 0, got {k}, {df}")
     return float(optimize.brentq(lambda c: _dunnett_within(c, k, df) - confidence, 0.5, 50,
                                  xtol=1e-6))
+
+
+def exact_sides(only_a: int, only_b: int) -> tuple[float, float]:
+    """McNemar's exact one-sided p-values from the discordant pairs: (P(X >= only_a),
+    P(X <= only_a)) for X ~ Binomial(only_a + only_b, 1/2); (1, 1) with none discordant."""
+    from scipy import stats
+
+    n = only_a + only_b
+    if n == 0:
+        return 1.0, 1.0
+    return float(stats.binom.sf(only_a - 1, n, 0.5)), float(stats.binom.cdf(only_a, n, 0.5))
+
+
+def decide_binary(found: PairedBinary, direction: str, threshold: float = 0.0,
+                  margin: float | None = None) -> str:
+    """The verdict on paired 0/1 outcomes: the interval's (`decide`), which the exact test
+    must confirm where the claim is against no difference (threshold 0): a side is decided
+    only when McNemar's exact one-sided p on that side is at most the interval's one-sided
+    level, (1 - confidence) / 2. So 5 of 5 seeds discordant (p = 1/32) decides nothing at a
+    look that spends 0.0155 a side, whatever the interval says."""
+    verdict = decide(found.interval, direction, threshold, margin)
+    if threshold != 0 or direction == "equivalent" or verdict == INCONCLUSIVE:
+        return verdict
+    alpha = (1 - found.interval.confidence) / 2
+    up, down = exact_sides(found.only_a, found.only_b)
+    if direction == "two-sided":
+        shown = min(up, down) <= alpha
+    elif direction == "above":
+        shown = (up if verdict == SUPPORTED else down) <= alpha
+    else:
+        shown = (down if verdict == SUPPORTED else up) <= alpha
+    return verdict if shown else INCONCLUSIVE
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@ primary measure its `preregistered:` block names.
 
 `ClaimResult` holds a claim sweep's findings and per-seed record; `claim_verdict` decides
 it: from the per-seed record where the measure is one of PER_SEED_MEASURES (paired by
-seed; every arm against a baseline together, Dunnett), else from the findings its
+seed; every arm against a baseline, each from its own paired differences, Bonferroni), else from the findings its
 `finding:` words pick (`labkit.lab.findings` collects them, `labkit.lab.findings_page`
 writes the page).
 """
@@ -108,7 +108,7 @@ def _verdict(result: ClaimResult) -> ClaimVerdict:
     `labkit.formulas.stats_design.decide` from the findings whose question holds the preregistered `finding`
     words and the compared arms. Several such findings (one per G, say) must each support
     the claim for it to be supported, and refute it if any refutes it. Every arm against a
-    baseline (`compare: [all, ...]`) is decided from the per-seed values together (Dunnett),
+    baseline (`compare: [all, ...]`) is decided from the per-seed values arm by arm (Bonferroni),
     which the stored intervals cannot give."""
     prereg = preregistration.check(result.claim, result.file.name, check_arms=False)
     test = prereg.describe()
@@ -121,7 +121,7 @@ def _verdict(result: ClaimResult) -> ClaimVerdict:
             return ClaimVerdict(test, figure, verdict, more)
     if prereg.compare[:1] == ("all",):
         return ClaimVerdict(test, f"{PER_SEED} (every arm against {prereg.compare[1]}, "
-                                  "Dunnett)", stats.INCONCLUSIVE)
+                                  "Bonferroni)", stats.INCONCLUSIVE)
     words = [prereg.finding] if prereg.finding else []
     rows = [row for row in result.rows
             if all(w in row["question"] for w in words + list(prereg.compare))]
@@ -222,9 +222,10 @@ def _from_records(prereg, records: list[dict], looks: tuple[int, ...] | None = N
         if every:
             figure, verdict, interval = _every_arm(prereg, table, base, first, level)
             return verdict, (figure, interval)
-        interval = _pair(kind, [table[arm][s] for s in first], [table[base][s] for s in first],
-                         level, _gain_floor(records, prereg.measure))
-        return prereg.decide(interval), (f"{arm} vs {base}: {interval.format(2)}", interval)
+        verdict, interval, exact = _decide_pair(
+            prereg, kind, [table[arm][s] for s in first], [table[base][s] for s in first],
+            level, _gain_floor(records, prereg.measure))
+        return verdict, (f"{arm} vs {base}: {interval.format(2)}{exact}", interval)
 
     k, verdict, (figure, interval) = plan.run(len(seeds), read)
     look = (f"{plan.looks[k]} seeds, look {k + 1} of {len(plan.looks)} at "
@@ -255,11 +256,11 @@ def _over_grid(prereg, table: dict, kind: str) -> tuple[str, str, str] | None:
         return None
     if len(a) < 2:
         return (f"{len(a)} paired run, too few", stats.INCONCLUSIVE, "")
-    interval = _pair(kind, a, b, 0.95, 0.0)
+    verdict, interval, exact = _decide_pair(prereg, kind, a, b, 0.95, 0.0)
     figure = (f"{prereg.compare[0]} vs {prereg.compare[1]} over {len(settings)} settings "
               f"({', '.join(settings)}), {len(a)} pairs: {interval.format(2)} "
-              f"({interval.method})")
-    return figure, prereg.decide(interval), ""
+              f"({interval.method}){exact}")
+    return figure, verdict, ""
 
 
 def _within(prereg, records: list[dict], top: str, bottom: str,
@@ -308,8 +309,29 @@ def _pair(kind: str, a: list[float], b: list[float], level: float,
     if kind == "ratio":
         return stats.ratio_interval(a, b, level)
     if kind == "binary":
-        return stats_design.paired_binary([x > 0.5 for x in a], [y > 0.5 for y in b], level).interval
+        return _binary(a, b, level).interval
     return stats.paired_interval(a, b, level, sd_floor=floor)
+
+
+def _binary(a: list[float], b: list[float], level: float) -> stats_design.PairedBinary:
+    return stats_design.paired_binary([x > 0.5 for x in a], [y > 0.5 for y in b], level)
+
+
+def _decide_pair(prereg, kind: str, a: list[float], b: list[float], level: float,
+                 floor: float) -> tuple[str, stats.Interval, str]:
+    """(verdict, interval, the exact test's words) of one paired comparison: a binary one is
+    decided with McNemar's exact test confirming the interval (`stats_design.decide_binary`)."""
+    if kind != "binary":
+        interval = _pair(kind, a, b, level, floor)
+        return prereg.decide(interval), interval, ""
+    found = _binary(a, b, level)
+    up, down = stats_design.exact_sides(found.only_a, found.only_b)
+    side = down if prereg.direction == "below" else up
+    words = (f"; exact one-sided p {side:.3g} (a side may spend "
+             f"{(1 - found.interval.confidence) / 2:.3g})")
+    verdict = stats_design.decide_binary(found, prereg.direction, prereg.threshold,
+                                         prereg.margin)
+    return verdict, found.interval, words
 
 
 def _gain_floor(records: list[dict], measure: str) -> float:
@@ -327,11 +349,13 @@ def _gain_floor(records: list[dict], measure: str) -> float:
 
 def _every_arm(prereg, table: dict, base: str, seeds: list[int],
                level: float) -> tuple[str, str, stats.Interval]:
-    """Every arm against `base` on `seeds`, together (`stats_design.many_vs_one`, Dunnett, at
-    `level`): the claim that some arm differs (two-sided) or lies above or below holds when
-    one arm's simultaneous interval does; it is refuted when every arm's refutes it."""
+    """Every arm against `base` on `seeds`, each from its own paired differences
+    (`stats_design.paired_vs_one`: Bonferroni's simultaneous intervals at `level`, no spread
+    pooled across arms): the claim that some arm differs (two-sided) or lies above or below
+    holds when one arm's simultaneous interval does; it is refuted when every arm's refutes
+    it."""
     shared = {arm: {s: values[s] for s in seeds} for arm, values in table.items()}
-    found = stats_design.many_vs_one(shared, base, confidence=level)
+    found = stats_design.paired_vs_one(shared, base, confidence=level)
     verdicts = {c.arm: prereg.decide(c.interval) for c in found}
     if stats.SUPPORTED in verdicts.values():
         verdict = stats.SUPPORTED
@@ -341,7 +365,7 @@ def _every_arm(prereg, table: dict, base: str, seeds: list[int],
         verdict = stats.INCONCLUSIVE
     top = max(found, key=lambda c: abs(c.interval.mean - prereg.threshold))
     shown = next((c for c in found if verdicts[c.arm] == stats.SUPPORTED), top)
-    return (f"{len(found)} arms vs {base}, Dunnett; {shown.arm}: {shown.interval.format(2)}",
+    return (f"{len(found)} arms vs {base}, Bonferroni; {shown.arm}: {shown.interval.format(2)}",
             verdict, shown.interval)
 
 
