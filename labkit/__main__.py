@@ -287,6 +287,9 @@ def _sweep_parser(sub) -> None:
     cmd.add_argument("--root", default=None, help="runs root (default: experiments/runs)")
     cmd.add_argument("--dry-run", action="store_true",
                      help="check the YAML against the notebook and list the runs; run nothing")
+    cmd.add_argument("--beside", action="store_true",
+                     help="run even beside a sweep that times its steps, or, for one that "
+                          "does, beside other sweeps (its step times then share the cores)")
 
 
 def _findings_parser(sub) -> None:
@@ -309,6 +312,9 @@ def _findings_parser(sub) -> None:
     cmd.add_argument("--only", default=None, metavar="FILES",
                      help="with --all: run only these claim files, by stem, comma-separated "
                           "(such as 01_cost,03_group_size); the page still reads every claim")
+    cmd.add_argument("--beside", action="store_true",
+                     help="with --all: run claim sweeps beside other sweeps even where they "
+                          "time steps (by default a timing sweep runs alone)")
     cmd.add_argument("--no-figures", action="store_true",
                      help="write the table only, no SVG figure per claim (the figures need "
                           "kaleido, the `figures` extra, and a Chrome or Chromium)")

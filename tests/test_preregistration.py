@@ -189,7 +189,7 @@ def test_findings_all_runs_each_claims_batches_until_it_is_decided(tmp_path, mon
     import labkit.lab.findings
 
     ran = []
-    monkeypatch.setattr(labkit.lab.findings, "run_sweep", lambda sweep, root, workers=1:
+    monkeypatch.setattr(labkit.lab.findings, "run_sweep", lambda sweep, root, workers=1, **kw:
                         ran.append((sweep.name, tuple(sweep.seeds))) or [])
     monkeypatch.setattr(labkit.lab.commands, "write_findings", lambda out, *a, **k: Path(out))
     argv = ("findings", "--all", "--root", tmp_path / "runs", "--out", tmp_path / "f.md")

@@ -20,7 +20,7 @@ def run_findings_command(args) -> int:
                                                 if s.strip()]
         try:
             failed = run_claims(args.claims, args.root, smoke=args.smoke, workers=args.workers,
-                                only=only)
+                                only=only, beside=getattr(args, "beside", False))
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
@@ -135,7 +135,8 @@ def run_sweep_command(args) -> int:
         for run in plan(sweep, root):
             print(f"{'done' if run.status == 'done' else 'to run':<7} {run.path}")
         return 0
-    runs = run_sweep(sweep, root, workers=workers, backend=args.backend, address=args.address)
+    runs = run_sweep(sweep, root, workers=workers, backend=args.backend, address=args.address,
+                     beside=getattr(args, "beside", False))
     folder = runs[0].path.parent
     print(folder / PLOT_NAME)
     print(folder / CSV_NAME)

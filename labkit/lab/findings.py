@@ -379,7 +379,7 @@ def _duration(run_path: Path) -> float:
 
 def run_claims(claims_dir: str | Path = CLAIMS_DIR, root: str | Path | None = None,
                smoke: bool = False, workers: int = 1,
-               only: list[str] | None = None) -> list[str]:
+               only: list[str] | None = None, beside: bool = False) -> list[str]:
     """Run every claim's sweep, batch by batch: a claim file's first seeds under `seeds:`
     are its batches, run in order until every claim the file answers is decided by its
     preregistered plan (`claim_verdict`) or its batches are spent, then its `replication:`
@@ -400,7 +400,7 @@ def run_claims(claims_dir: str | Path = CLAIMS_DIR, root: str | Path | None = No
     for file, sweep in sweeps:
         for k in range(1, len(sweep.seeds) + 1):
             runs = run_sweep(dataclasses.replace(sweep, seeds=sweep.seeds[:k]), root,
-                             workers=workers)
+                             workers=workers, beside=beside)
             failed += [r.id for r in runs if r.status == "failed"]
             answered = [r for r in collect(claims_dir, root, smoke)
                         if r.file == file and not r.replication]
@@ -408,7 +408,7 @@ def run_claims(claims_dir: str | Path = CLAIMS_DIR, root: str | Path | None = No
                 break
         if sweep.replication:  # read once, at all its seeds: every batch runs
             runs = run_sweep(dataclasses.replace(sweep, seeds=sweep.replication), root,
-                             workers=workers)
+                             workers=workers, beside=beside)
             failed += [r.id for r in runs if r.status == "failed"]
     return failed
 

@@ -30,6 +30,9 @@ The YAML (its schema is repeated at the top of each file in experiments/):
     claims: [{id: 4, ...}, ...]  # instead of claim: several claims answered by the same runs
     replication: [100]           # claims only: first seeds of the claim's replication, the
                                  #   same runs at seeds `seeds:` never reaches (not in smoke)
+    alone: true                  # the sweep times steps: it runs with no other sweep on the
+                                 #   machine, and none starts beside it (labkit.lab.alone;
+                                 #   --beside overrides); a claim measuring a time implies it
 
 Every value is checked against the notebook's parameters cell before any run starts.
 The run id is the grid values and the seed, `group_size=4,seed=1`, so it is the same on every
@@ -56,7 +59,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from labkit.lab import preregistration
+from labkit.lab import alone, preregistration
 from labkit.lab.runner import (PARAMETERS_FILE, RUNNER_OWNED, RunFailed, check_config_rules,
                                execute, is_number, notebook_parameters, read_parameter,
                                read_summary, unknown_names)
@@ -64,7 +67,7 @@ from labkit.lab.sweep_figure import write_comparison
 from labkit.run.rundir import RunLock
 
 KEYS = ("notebook", "name", "parameters", "grid", "seeds", "resources", "smoke", "claim",
-        "claims", "replication")
+        "claims", "replication", "alone")
 RESOURCE_KEYS = ("cpus", "gpus")
 BACKENDS = ("local", "ray")
 SMOKE_KEYS = ("parameters", "grid", "seeds")
@@ -90,6 +93,9 @@ class Sweep:
     replication: list[int] = field(default_factory=list)
     """A claim's `replication:` first seeds: the same sweep again at seeds its `seeds:` never
     reach, read as the claim's replication (labkit.lab.findings); [] for none and in smoke."""
+    alone: bool = False
+    """`alone: true`: the sweep times steps, so it runs with no other sweep on the machine
+    (labkit.lab.alone; a claim whose measure is a time does so without saying)."""
 
 
 @dataclass
@@ -175,6 +181,9 @@ def load_sweep(path: str | Path, smoke: bool = False, to_run: bool = True) -> Sw
                                   require_control=to_run and not claim.get("restated"))
     checked.claims = claims
     checked.resources = _resources(spec.get("resources") or {}, where)
+    if not isinstance(spec.get("alone", False), bool):
+        raise ValueError(f"{where}: alone must be true or false, got {spec['alone']!r}")
+    checked.alone = bool(spec.get("alone", False))
     again = spec.get("replication") or []
     if again and not smoke:
         if not claims:
@@ -310,7 +319,8 @@ def _execute_one(notebook: Path, run_dir: Path, values: dict) -> str:
 
 
 def run_sweep(sweep: Sweep, root: str | Path, workers: int = 1, progress: bool = True, *,
-              backend: str = "local", address: str | None = None) -> list[Run]:
+              backend: str = "local", address: str | None = None,
+              beside: bool = False) -> list[Run]:
     """Run what is not done yet, then write sweep.csv and comparison.html into the sweep
     folder. Returns every run with its status.
 
@@ -319,7 +329,8 @@ def run_sweep(sweep: Sweep, root: str | Path, workers: int = 1, progress: bool =
     cluster of `workers` x resources["cpus"] CPUs started for the sweep (workers 0: every
     CPU). The sweep folder's lock is held throughout: a second invocation of the same sweep,
     while this one runs, is refused rather than setting aside or rerunning the runs in
-    progress."""
+    progress. A sweep that times steps runs alone on the machine, and no sweep starts beside
+    one, unless `beside` (labkit.lab.alone)."""
     if backend not in BACKENDS:
         raise ValueError(f"--backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     if workers < (0 if backend == "ray" else 1):
@@ -332,7 +343,7 @@ def run_sweep(sweep: Sweep, root: str | Path, workers: int = 1, progress: bool =
         require_ray()  # a missing extra is said before anything runs
     folder = Path(root) / sweep.name
     folder.mkdir(parents=True, exist_ok=True)
-    with RunLock(folder):
+    with alone.on_machine(sweep.name, alone.times_steps(sweep), beside), RunLock(folder):
         return _run_sweep(sweep, root, workers, progress, backend, address)
 
 
