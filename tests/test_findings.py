@@ -94,7 +94,7 @@ def test_page_from_finished_runs(finished):
     (seven,) = [line for line in glance.splitlines() if line.startswith("| 7.")]
     assert "the article's own words, with its number" in seven
     assert "gain above 0" in seven and "clear: 1.25 [0.50, 2.00]" in seven
-    assert seven.endswith("**supported** |") and "| 3 (5) |" in seven
+    assert seven.endswith("**supported** |") and "| 3 (5), exploratory |" in seven
     (one,) = [line for line in glance.splitlines() if line.startswith("| 1.")]
     assert "memory_ratio (ppo vs grpo) above 1.25" in one and "not measured yet" in one
     assert "python -m labkit findings --all --only 07_fixture" in text
@@ -322,7 +322,7 @@ def test_a_replication_is_read_once_at_its_fresh_seeds_beside_the_original(finis
     assert original.startswith("| 7. the fixture's claim") and "**supported**" in original
     assert again.startswith("| 7, replicated at fresh seeds (first seed 100)")
     assert "look 1 of 1" in again and "**inconclusive at this budget**" in again
-    assert "| 5 (5) |" in again
+    assert "| 5 (5), exploratory |" in again
     rows = (out.with_suffix("") / "07_fixture-replication.csv").read_text().splitlines()
     assert len(rows) == 11 and all(r.split(",")[2] in {str(s) for s in range(100, 105)}
                                    for r in rows[1:])

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from labkit import grammar
+from labkit.lab import confirm
 from labkit.lab.progress import write_plan
 from labkit.model.models import load
 from labkit.probes import samples
@@ -130,9 +131,13 @@ def run_all(configs: Mapping[str, TrainConfig], *, workers: int = 0,
     costliest first, each on `config.threads` torch threads (the notebooks give 1); 0 means
     one worker per CPU core, at most one per run. A run that fails does not stop the others: their results are kept and
     one RuntimeError names the failures at the end. Callbacks (live figures) need the runs in
-    this process: with callbacks, or a single config, the runs go one after the other here."""
+    this process: with callbacks, or a single config, the runs go one after the other here.
+    A confirmatory run (seed from labkit.lab.confirm.CONFIRM_FROM) whose configuration a
+    per-seed record under docs/findings/ already holds is refused first (ValueError)."""
     if workers < 0:
         raise ValueError(f"workers must be >= 0 (0: one per CPU core), got {workers}")
+    # a confirmatory run must be new data: refused where a per-seed record holds its config
+    confirm.check_confirmatory(configs, project_root() / "docs" / "findings")
     # what the notebook runner's progress bar counts down (labkit.lab.progress)
     write_plan({c.run_dir: c.steps for c in configs.values() if c.run_dir})
     if callbacks or len(configs) <= 1:

@@ -77,8 +77,9 @@ def records_of(summary: dict, sweep_run: str) -> list[dict]:
     runs: dict[str, dict] = {}
     for key, value in summary.items():
         run, _, name = key.rpartition("/")
+        text = name == "fingerprint" and isinstance(value, str)
         if not run or run.startswith("finding") or isinstance(value, bool) \
-                or not isinstance(value, (int, float)):
+                or not (text or isinstance(value, (int, float))):
             continue
         runs.setdefault(run, {})[name] = value
     out = []
@@ -116,7 +117,7 @@ def read_records(path: str | Path) -> list[dict]:
             for key, text in row.items():
                 if text in ("", None):
                     continue
-                if key in ("sweep_run", "arm", "commit", "cpu", "torch"):
+                if key in ("sweep_run", "arm", "commit", "cpu", "torch", "fingerprint"):
                     record[key] = text
                 else:
                     number = float(text)

@@ -11,6 +11,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from labkit.formulas import stats
+from labkit.lab import confirm
 from labkit.lab.experiments import histories
 from labkit.lab.verdicts import by_arm
 from labkit.model.models import load
@@ -113,7 +114,8 @@ def early_rate(history: list[dict], key: str, steps: int = EARLY_STEPS) -> float
 
 
 def summary_rows(results: Mapping[str, RunResult]) -> list[dict]:
-    """One row per run (its `arm`, the name without "/seed=s", and its `seed`): accuracy
+    """One row per run (its `arm`, the name without "/seed=s", its `seed` and its config's
+    `fingerprint`, labkit.lab.confirm): accuracy
     before/after and their difference (`gain`), final reward, cost, the mean over steps of
     KL, entropy, clip fractions, GAV, DPO's cosine to GRPO's gradient (`grpo_cosine`, with
     dpo_grpo_cosine) and completion length (`length`; `length_final` over
@@ -143,7 +145,7 @@ def summary_rows(results: Mapping[str, RunResult]) -> list[dict]:
                "gain": result.accuracy_after - result.accuracy_before,
                "final_reward": _mean(tail), "step_s": statistics.median(_values(h, "perf/step_s")),
                "mem_mb": max(_values(h, "perf/mem_mb")), "state_mb": state_mb(c),
-               "wall_s": result.wall_s}
+               "wall_s": result.wall_s, "fingerprint": confirm.fingerprint(c)}
         peaks = _values(h, "perf/tensor_peak_mb")  # none when tensor_peak_step = 0
         if peaks:
             row["tensor_peak_mb"] = max(peaks)
@@ -208,11 +210,14 @@ def sweep_rows(results: Mapping[str, RunResult]) -> list[dict]:
 
 
 def flat_summary(rows: Sequence[dict], **extra) -> dict:
-    """summary.json's dict: `extra` first, then "<run>/<field>" for every number of every row."""
+    """summary.json's dict: `extra` first, then "<run>/<field>" for every number of every row,
+    and each run's configuration `fingerprint` (text)."""
     out = dict(extra)
     for row in rows:
         for key, value in row.items():
-            if key != "run" and isinstance(value, (int, float)) and math.isfinite(value):
+            if key == "fingerprint" and isinstance(value, str):
+                out[f"{row['run']}/{key}"] = value
+            elif key != "run" and isinstance(value, (int, float)) and math.isfinite(value):
                 out[f"{row['run']}/{key}"] = round(value, 6) if isinstance(value, float) else value
     return out
 

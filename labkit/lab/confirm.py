@@ -1,0 +1,76 @@
+"""Exploratory and confirmatory runs kept apart: reserved seed ranges and each run's
+configuration fingerprint.
+
+Training here is deterministic per configuration and seed, so a run repeated under another
+claim's name is the same data again, not new evidence. Seeds from `CONFIRM_FROM` up are
+reserved for confirmatory runs (those from `TUNE_FROM` to below it for tuning sweeps), and a
+confirmatory run whose `fingerprint` (every TrainConfig field but where and how it is shown,
+`NOT_FINGERPRINTED`, seed included) matches a run already in a per-seed record
+(docs/findings/*.csv, their `fingerprint` column) is refused before any run starts, with
+one line naming both.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+from collections.abc import Mapping
+from pathlib import Path
+
+CONFIRM_FROM = 1000
+"""The first seed reserved for confirmatory runs."""
+TUNE_FROM = 500
+"""The first seed of the tuning range (up to CONFIRM_FROM - 1)."""
+
+NOT_FINGERPRINTED = ("run_dir", "progress", "report_to")
+"""Fields that say where a run writes and how it is shown, not what it computes."""
+
+
+def fingerprint(config) -> str:
+    """16 hex digits of the SHA-256 of a TrainConfig's fields (`NOT_FINGERPRINTED` left out),
+    in a canonical JSON."""
+    values = {k: v for k, v in config.to_dict().items() if k not in NOT_FINGERPRINTED}
+    text = json.dumps(values, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def recorded(records_dir: str | Path) -> dict[str, str]:
+    """fingerprint -> where a per-seed record holds it ('01_cost.csv: ppo, seed 3'), from every
+    CSV of `records_dir` that has the column."""
+    out: dict[str, str] = {}
+    folder = Path(records_dir)
+    for path in sorted(folder.glob("*.csv")) if folder.is_dir() else []:
+        with path.open(newline="", encoding="utf-8") as f:
+            for row in csv.DictReader(f):
+                found = row.get("fingerprint")
+                if found:
+                    out.setdefault(found, f"{path.name}: {row.get('arm', '?')}, seed "
+                                          f"{row.get('seed', '?')}")
+    return out
+
+
+def check_confirmatory(configs: Mapping[str, object], records_dir: str | Path) -> None:
+    """Refuse, before any run starts, a confirmatory run (seed >= CONFIRM_FROM) whose
+    fingerprint a per-seed record under `records_dir` already holds, and two confirmatory runs
+    of `configs` with one fingerprint. ValueError: one line naming both runs."""
+    seen = recorded(records_dir)
+    mine: dict[str, str] = {}
+    for name, config in configs.items():
+        if config.seed < CONFIRM_FROM:
+            continue
+        found = fingerprint(config)
+        earlier = seen.get(found) or mine.get(found)
+        if earlier is not None:
+            raise ValueError(f"confirmatory run {name} (seed {config.seed}) has configuration "
+                             f"fingerprint {found}, the same as {earlier}: it would repeat "
+                             "that run bit for bit; give it seeds no run of this "
+                             "configuration has used")
+        mine[found] = f"run {name} of this sweep"
+
+
+def seed_range(seed: int) -> str:
+    """'confirmatory', 'tuning' or 'exploratory': the range `seed` lies in."""
+    if seed >= CONFIRM_FROM:
+        return "confirmatory"
+    return "tuning" if seed >= TUNE_FROM else "exploratory"

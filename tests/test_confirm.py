@@ -1,0 +1,72 @@
+"""Exploratory and confirmatory runs kept apart (labkit.lab.confirm)."""
+
+import dataclasses
+
+import pytest
+
+from labkit.lab import confirm, findings
+from labkit.lab.summaries import flat_summary
+from labkit.settings.config import TrainConfig
+
+
+def _config(**kw) -> TrainConfig:
+    return TrainConfig(**({"steps": 3, "progress": False} | kw))
+
+
+def test_the_fingerprint_reads_what_a_run_computes_and_not_where_it_writes():
+    a = _config(seed=1000)
+    assert confirm.fingerprint(a) == confirm.fingerprint(
+        dataclasses.replace(a, run_dir="/elsewhere", progress=True, report_to="tensorboard"))
+    assert confirm.fingerprint(a) != confirm.fingerprint(dataclasses.replace(a, seed=1001))
+    assert confirm.fingerprint(a) != confirm.fingerprint(dataclasses.replace(a, lr=2e-3))
+    assert len(confirm.fingerprint(a)) == 16
+    assert [confirm.seed_range(s) for s in (3, 500, 999, 1000)] == [
+        "exploratory", "tuning", "tuning", "confirmatory"]
+
+
+def test_a_confirmatory_run_that_repeats_a_recorded_run_is_refused_naming_both(tmp_path):
+    """The per-seed record holds each run's fingerprint (through summary.json, as text); a
+    confirmatory run with the same one is refused in one line naming the new run and the
+    record's; one at a fresh seed, and an exploratory rerun, go ahead."""
+    earlier = _config(seed=1000, lr=5e-4)
+    row = {"run": "grpo/seed=1000", "arm": "grpo", "seed": 1000, "gain": 0.1,
+           "fingerprint": confirm.fingerprint(earlier)}
+    records = findings.records_of(flat_summary([row]), "seed=1000")
+    assert records[0]["fingerprint"] == confirm.fingerprint(earlier)
+    findings.write_records(records, tmp_path / "09_x.csv")
+    assert findings.read_records(tmp_path / "09_x.csv")[0]["fingerprint"] == row["fingerprint"]
+    same = dataclasses.replace(earlier, run_dir="/tmp/elsewhere")
+    with pytest.raises(ValueError) as caught:
+        confirm.check_confirmatory({"ppo_tuned/seed=1000": same}, tmp_path)
+    message = str(caught.value)
+    assert "\n" not in message
+    assert message.startswith("confirmatory run ppo_tuned/seed=1000 (seed 1000) has "
+                              f"configuration fingerprint {row['fingerprint']}, the same as "
+                              "09_x.csv: grpo, seed 1000")
+    confirm.check_confirmatory({"a": dataclasses.replace(same, seed=1001)}, tmp_path)
+    confirm.check_confirmatory({"pilot": dataclasses.replace(same, seed=3)}, tmp_path)
+    with pytest.raises(ValueError, match="the same as run first of this sweep"):
+        confirm.check_confirmatory({"first": _config(seed=2000), "second": _config(seed=2000)},
+                                   tmp_path)
+
+
+def test_the_page_calls_a_claim_confirmatory_only_at_reserved_seeds():
+    from pathlib import Path
+
+    from labkit.lab.claims import ClaimResult
+    from labkit.lab.findings_page import glance_rows
+
+    claim = {"id": 6, "statement": "s", "preregistered": {
+        "article": "a", "seeds": 5, "measure": "gain", "compare": ["b", "a"],
+        "direction": "above", "threshold": 0}}
+
+    def seeds_cell(first: int) -> str:
+        records = [{"sweep_run": "x", "arm": arm, "seed": first + s, "gain": 0.1 * s + d,
+                    "accuracy_after": 0.5, "eval_n": 100}
+                   for arm, d in (("a", 0.0), ("b", 0.01)) for s in range(5)]
+        return glance_rows([ClaimResult(Path("06.yaml"), claim, records=records)])[0][
+            "seeds (planned)"]
+
+    assert seeds_cell(0) == "5 (5), exploratory"
+    assert seeds_cell(1000) == "5 (5), confirmatory"
+    assert seeds_cell(998) == "5 (5), exploratory"  # 998-1002 straddles the line
