@@ -39,6 +39,9 @@ class ClaimResult:
     replication: tuple[int, ...] = ()
     """For the replication of a claim (its file's `replication:` seeds, never run for the
     original): those first seeds; () for the original."""
+    changed: str | None = None
+    """Why a claim whose plan was frozen at its first confirmatory run reads as exploratory
+    (labkit.lab.confirm.changed_since_frozen); None where it does not."""
     looks: tuple[int, ...] | None = None
     """The looks the claim is read at where not its plan's (`plan_of`): a replication is
     read once, at all its seeds."""

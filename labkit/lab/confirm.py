@@ -1,5 +1,5 @@
-"""Exploratory and confirmatory runs kept apart: reserved seed ranges and each run's
-configuration fingerprint.
+"""Exploratory and confirmatory runs kept apart: reserved seed ranges, each run's
+configuration fingerprint, and each claim's plan frozen at its first confirmatory run.
 
 Training here is deterministic per configuration and seed, so a run repeated under another
 claim's name is the same data again, not new evidence. Seeds from `CONFIRM_FROM` up are
@@ -74,3 +74,50 @@ def seed_range(seed: int) -> str:
     if seed >= CONFIRM_FROM:
         return "confirmatory"
     return "tuning" if seed >= TUNE_FROM else "exploratory"
+
+
+def plan_fingerprint(claim: dict, parameters: dict, grid: dict | None = None) -> str:
+    """16 hex digits fixing a claim's plan: its preregistered block (test, control, seeds)
+    and the settings its arms run (the sweep's parameters and grid)."""
+    text = json.dumps({"preregistered": claim.get("preregistered"), "parameters": parameters,
+                       "grid": grid or {}}, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def plan_path(records_dir: str | Path, stem: str) -> Path:
+    """<records_dir>/<claim file>-plan.json: the plans frozen for that file's claims."""
+    return Path(records_dir) / f"{stem}-plan.json"
+
+
+def freeze(records_dir: str | Path, stem: str, sweep, commit: str | None) -> dict:
+    """At a claim file's first confirmatory batch: write each of its claims' plan fingerprint
+    with the commit and the first seed, once (a plan already frozen is kept as it was)."""
+    path = plan_path(records_dir, stem)
+    plans = json.loads(path.read_text()) if path.is_file() else {}
+    for claim in sweep.claims:
+        key = str(claim.get("id", "?"))
+        if key not in plans:
+            plans[key] = {"fingerprint": plan_fingerprint(claim, sweep.parameters, sweep.grid),
+                          "commit": commit or "unknown", "first_seed": min(sweep.seeds)}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(plans, indent=1, sort_keys=True) + "\n")
+    return plans
+
+
+def changed_since_frozen(records_dir: str | Path, stem: str, claim: dict, parameters: dict,
+                         grid: dict | None = None) -> str | None:
+    """Why a claim whose plan was frozen now reads as exploratory (its preregistered block or
+    its arms' settings changed after its first confirmatory run), in one line; None where
+    nothing was frozen or nothing changed."""
+    path = plan_path(records_dir, stem)
+    if not path.is_file():
+        return None
+    frozen = json.loads(path.read_text()).get(str(claim.get("id", "?")))
+    if frozen is None:
+        return None
+    now = plan_fingerprint(claim, parameters, grid)
+    if now == frozen["fingerprint"]:
+        return None
+    return (f"exploratory: its plan changed after its first confirmatory run (frozen "
+            f"{frozen['fingerprint']} at commit {str(frozen['commit'])[:7]}, now {now}); a "
+            f"changed plan needs new confirmatory seeds")

@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 
 from labkit.formulas import stats
-from labkit.lab import questions, verdicts
+from labkit.lab import confirm, questions, verdicts
 from labkit.lab.claims import ClaimResult, claim_verdict
 from labkit.lab.experiments import project_root
 from labkit.lab.findings_page import render, render_every, write_figures
@@ -249,6 +249,9 @@ def collect(claims_dir: str | Path = CLAIMS_DIR, root: str | Path | None = None,
             result = ClaimResult(file, claim, runs_done=len(done), runs_total=len(runs),
                                  records=list(records))
             _finish(result, done, facts, records_dir)
+            if records_dir is not None:
+                result.changed = confirm.changed_since_frozen(records_dir, file.stem, claim,
+                                                              sweep.parameters, sweep.grid)
             results.append(result)
         if sweep.replication:
             results += _replications(file, sweep, root, records_dir)
@@ -380,7 +383,8 @@ def _duration(run_path: Path) -> float:
 
 def run_claims(claims_dir: str | Path = CLAIMS_DIR, root: str | Path | None = None,
                smoke: bool = False, workers: int = 1,
-               only: list[str] | None = None, beside: bool = False) -> list[str]:
+               only: list[str] | None = None, beside: bool = False,
+               records_dir: str | Path | None = None) -> list[str]:
     """Run every claim's sweep, batch by batch: a claim file's first seeds under `seeds:`
     are its batches, run in order until every claim the file answers is decided by its
     preregistered plan (`claim_verdict`) or its batches are spent, then its `replication:`
@@ -389,6 +393,7 @@ def run_claims(claims_dir: str | Path = CLAIMS_DIR, root: str | Path | None = No
     Every claim file is checked before the first run; finished runs are skipped, so the
     suite resumes. Returns the ids of the runs that failed."""
     root = Path(RUNS_ROOT if root is None else root)
+    records_dir = FINDINGS_PAGE.with_suffix("") if records_dir is None else Path(records_dir)
     files = sorted(Path(claims_dir).glob("*.yaml"))
     if only is not None:
         unknown = sorted(set(only) - {f.stem for f in files})
@@ -399,6 +404,8 @@ def run_claims(claims_dir: str | Path = CLAIMS_DIR, root: str | Path | None = No
     sweeps = [(f, load_sweep(f, smoke=smoke)) for f in files]  # every claim checked first
     failed = []
     for file, sweep in sweeps:
+        if not smoke and sweep.seeds and min(sweep.seeds) >= confirm.CONFIRM_FROM:
+            confirm.freeze(records_dir, file.stem, sweep, git_commit())  # before its first run
         for k in range(1, len(sweep.seeds) + 1):
             runs = run_sweep(dataclasses.replace(sweep, seeds=sweep.seeds[:k]), root,
                              workers=workers, beside=beside)

@@ -64,7 +64,8 @@ def glance_rows(results: list[ClaimResult]) -> list[dict]:
         planned = r.looks[-1] if r.looks else r.claim["preregistered"]["seeds"]
         # confirmatory only where every run used the reserved seeds (labkit.lab.confirm)
         ranges = {confirm.seed_range(int(rec["seed"])) for rec in r.records}
-        kind = "confirmatory" if ranges == {"confirmatory"} else "exploratory"
+        kind = "confirmatory" if ranges == {"confirmatory"} and not r.changed else (
+            r.changed or "exploratory")
         out.append({"claim": claim_title(r),
                     "the article says": "(as above)" if r.replication
                     else r.claim["preregistered"]["article"],
