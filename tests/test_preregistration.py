@@ -452,3 +452,28 @@ def test_a_claim_over_a_grid_pairs_each_setting_of_one_prefix_with_the_others():
         preregistration.check({**result.claim, "preregistered": {
             **result.claim["preregistered"], "compare": ["sft-*", "dpo-*"]}}, "x",
             list(collapsed))
+
+
+def test_a_collapsed_comparator_gives_no_verdict():
+    """Claim 19's offline DPO lost its accuracy on 3 of 5 seeds: GRPO 'gaining more' than it
+    says nothing of GRPO, so the claim reads 'comparator collapsed on 3 of 5 seeds', in the
+    claim's verdict and in the notebooks' own findings."""
+    from labkit.lab import verdicts
+
+    gains = {"grpo": [0.3, 0.31, 0.29, 0.3, 0.32], "dpo_offline": [-0.3, -0.2, 0.0, -0.33, 0.01]}
+    records = [{"sweep_run": "seed=0", "arm": arm, "seed": s, "gain": g,
+                "collapsed": int(arm == "dpo_offline" and s in (0, 1, 3)),
+                "accuracy_after": 0.5, "eval_n": 1000}
+               for arm, values in gains.items() for s, g in enumerate(values)]
+    result = _result({"measure": "gain", "compare": ["grpo", "dpo_offline"],
+                      "direction": "above", "threshold": 0}, [])
+    result.records = records
+    decided = claims.claim_verdict(result)
+    assert decided.verdict == "comparator collapsed on 3 of 5 seeds"
+    rows = [dict(r, run=f"{r['arm']}/seed={r['seed']}") for r in records]
+    (found,) = verdicts.arm_findings(rows, "dpo_offline")
+    assert found.verdict == "comparator collapsed on 3 of 5 seeds"
+    assert found.question == "grpo gains more held-out accuracy than dpo_offline"
+    healthy = [dict(r, collapsed=0) for r in records]
+    result.records = healthy
+    assert claims.claim_verdict(result).verdict == stats.SUPPORTED

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from labkit.formulas import stats, stats_design
 from labkit.lab import preregistration
+from labkit.lab.verdicts import collapse_verdict
 
 
 @dataclass
@@ -224,10 +225,14 @@ def _from_records(prereg, records: list[dict], looks: tuple[int, ...] | None = N
         first, level = seeds[:n], plan.confidence(k, prereg.direction)
         if every:
             figure, verdict, interval = _every_arm(prereg, table, base, first, level)
-            return verdict, (figure, interval)
+            fell = _collapsed(records, base, first) if kind == "difference" else 0
+            return (collapse_verdict(fell, len(first)) if fell else verdict), (figure, interval)
         verdict, interval, exact = _decide_pair(
             prereg, kind, [table[arm][s] for s in first], [table[base][s] for s in first],
             level, _gain_floor(records, prereg.measure))
+        fell = _collapsed(records, base, first) if kind == "difference" else 0
+        if fell:  # a collapsed comparator decides nothing, better or worse
+            verdict = collapse_verdict(fell, len(first))
         return verdict, (f"{arm} vs {base}: {interval.format(2)}{exact}", interval)
 
     k, verdict, (figure, interval) = plan.run(len(seeds), read)
@@ -314,6 +319,13 @@ def _pair(kind: str, a: list[float], b: list[float], level: float,
     if kind == "binary":
         return _binary(a, b, level).interval
     return stats.paired_interval(a, b, level, sd_floor=floor)
+
+
+def _collapsed(records: list[dict], arm: str, seeds: list[int]) -> int:
+    """How many of `seeds` the record's `arm` (or the arm it names, 'samples/G=4') collapsed
+    on."""
+    return sum(1 for r in records if (r["arm"] == arm or r["arm"].endswith("/" + arm))
+               and r["seed"] in seeds and r.get("collapsed", 0) > 0.5)
 
 
 def _binary(a: list[float], b: list[float], level: float) -> stats_design.PairedBinary:

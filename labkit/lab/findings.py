@@ -155,7 +155,8 @@ def finding_row(summary: dict, k: int, run_id: str) -> dict:
                               math.nan if high is None else high, seeds,
                               get(f"finding{k}/method", ""))
     threshold, direction = get(f"finding{k}/threshold"), get(f"finding{k}/direction", "above")
-    if threshold is None:
+    stored = get(f"finding{k}/verdict", "")
+    if threshold is None or str(stored).startswith("comparator collapsed"):
         verdict = get(f"finding{k}/verdict", stats.INCONCLUSIVE)
     else:
         side = {"above": threshold} if direction == "above" else {"below": threshold}

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from labkit.formulas import stats
 
@@ -119,6 +119,28 @@ def accuracy_noise(rows: Sequence[dict]) -> str:
     return f"one run's accuracy on {eval_n} held-out problems has a binomial s.e. of {se:.3f}"
 
 
+def collapsed_on(rows: Sequence[dict], arm: str) -> tuple[int, int]:
+    """(runs of `arm` that collapsed, runs of `arm` that say), from the rows' `collapsed`."""
+    said = [r for r in rows if r["arm"] == arm and "collapsed" in r]
+    return sum(int(r["collapsed"]) for r in said), len(said)
+
+
+def comparator_collapsed(rows: Sequence[dict], found: Finding, comparator: str) -> Finding:
+    """`found` with its verdict replaced by 'comparator collapsed on k of n seeds' where the
+    arm it is compared against collapsed on any seed: a collapsed comparator makes the
+    comparison say nothing of the arm, better or worse."""
+    k, n = collapsed_on(rows, comparator)
+    if not k:
+        return found
+    return replace(found, verdict=collapse_verdict(k, n),
+                   note=(found.note + "; " if found.note else "") + f"{comparator} collapsed "
+                        f"on {k} of {n} seeds: no verdict")
+
+
+def collapse_verdict(k: int, n: int) -> str:
+    return f"comparator collapsed on {k} of {n} seeds"
+
+
 def grpo_vs_ppo(rows: Sequence[dict], a: str = "grpo", b: str = "ppo") -> list[Finding]:
     """Notebook 01's questions over paired seeds: does arm `a` gain more held-out accuracy
     than `b` (paired t of the per-seed gain differences, in points), does a `b` step take
@@ -131,8 +153,9 @@ def grpo_vs_ppo(rows: Sequence[dict], a: str = "grpo", b: str = "ppo") -> list[F
         sd = statistics.stdev(100 * (x - y) for x, y in zip(*gains))
         note += (f"; at this spread ({sd:.1f} points) {diff.n} seeds detect a difference of "
                  f"{stats.min_detectable(sd, diff.n):.1f} points with 80% power")
-    found = [finding(f"{a} gains more held-out accuracy than {b}",
-                     f"gain({a}) - gain({b}), points", diff, above=0.0, note=note, digits=1)]
+    found = [comparator_collapsed(rows, finding(
+        f"{a} gains more held-out accuracy than {b}", f"gain({a}) - gain({b}), points", diff,
+        above=0.0, note=note, digits=1), b)]
     step_b, step_a = paired(rows, b, a, "step_s")
     found.append(finding(f"a {b} step takes longer than a {a} step",
                          f"median step time, {b} / {a}", stats.ratio_interval(step_b, step_a),
@@ -221,9 +244,10 @@ def arm_findings(rows: Sequence[dict], baseline: str | None = None,
             continue
         ours, theirs = paired(rows, arm, baseline, key)
         diff = stats.paired_interval([scale * x for x in ours], [scale * x for x in theirs])
-        found.append(finding(f"{arm} {words} {baseline}", measure.format(arm=arm, base=baseline),
-                             diff, above=0.0, digits=digits,
-                             note=accuracy_noise(rows) if key == "gain" else ""))
+        found.append(comparator_collapsed(rows, finding(
+            f"{arm} {words} {baseline}", measure.format(arm=arm, base=baseline), diff,
+            above=0.0, digits=digits, note=accuracy_noise(rows) if key == "gain" else ""),
+            baseline))
     return found
 
 
