@@ -264,7 +264,7 @@ def _over_grid(prereg, table: dict, kind: str) -> tuple[str, str, str] | None:
         return None
     if len(a) < 2:
         return (f"{len(a)} paired run, too few", stats.INCONCLUSIVE, "")
-    verdict, interval, exact = _decide_pair(prereg, kind, a, b, 0.95, 0.0)
+    verdict, interval, exact = _decide_pair(prereg, kind, a, b, 0.95, 0.0, "pairs")
     figure = (f"{prereg.compare[0]} vs {prereg.compare[1]} over {len(settings)} settings "
               f"({', '.join(settings)}), {len(a)} pairs: {interval.format(2)} "
               f"({interval.method}){exact}")
@@ -328,18 +328,19 @@ def _collapsed(records: list[dict], arm: str, seeds: list[int]) -> int:
                and r["seed"] in seeds and r.get("collapsed", 0) > 0.5)
 
 
-def _binary(a: list[float], b: list[float], level: float) -> stats_design.PairedBinary:
-    return stats_design.paired_binary([x > 0.5 for x in a], [y > 0.5 for y in b], level)
+def _binary(a: list[float], b: list[float], level: float,
+            unit: str = "seeds") -> stats_design.PairedBinary:
+    return stats_design.paired_binary([x > 0.5 for x in a], [y > 0.5 for y in b], level, unit)
 
 
 def _decide_pair(prereg, kind: str, a: list[float], b: list[float], level: float,
-                 floor: float) -> tuple[str, stats.Interval, str]:
+                 floor: float, unit: str = "seeds") -> tuple[str, stats.Interval, str]:
     """(verdict, interval, the exact test's words) of one paired comparison: a binary one is
     decided with McNemar's exact test confirming the interval (`stats_design.decide_binary`)."""
     if kind != "binary":
         interval = _pair(kind, a, b, level, floor)
         return prereg.decide(interval), interval, ""
-    found = _binary(a, b, level)
+    found = _binary(a, b, level, unit)
     up, down = stats_design.exact_sides(found.only_a, found.only_b)
     side = down if prereg.direction == "below" else up
     words = (f"; exact one-sided p {side:.3g} (a side may spend "
