@@ -54,7 +54,22 @@ def test_the_fit_recovers_the_activation_and_logit_terms_and_predicts_a_held_out
 
 
 def test_ppo_holds_a_critic_and_bf16_a_half_size_reference():
-    assert cost.state_bytes("ppo") - cost.state_bytes("grpo") == 16
+    """The critic copies the backbone: every parameter of a tied model (and a value head),
+    all but the output head of an untied one; built and counted by transformers."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from labkit.model.scoring import ValueModel
+
+    for tied in (True, False):
+        shape = dict(model_type="qwen2", hidden_size=64, intermediate_size=128,
+                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                     vocab_size=300, tie_word_embeddings=tied)
+        config = Qwen2Config(**{k: v for k, v in shape.items() if k != "model_type"})
+        policy = AutoModelForCausalLM.from_config(config)
+        critic = ValueModel(policy)
+        assert cost.critic_params(shape) == sum(p.numel() for p in critic.parameters())
+        extra = cost.state_of(shape, "ppo") - cost.state_of(shape, "grpo")
+        assert extra == 16 * cost.critic_params(shape)
     assert cost.state_bytes("grpo") - cost.state_bytes("grpo", "bf16") == 2
 
 
@@ -74,7 +89,7 @@ def test_a_cost_measurement_holds_at_least_the_state_the_model_counts(algo):
                     group_size=4, max_new_tokens=8, beta=0.0 if algo == "dpo" else 0.04,
                     steps=3, warmup=0)
         found = worker_cost(work, algo)
-    state = cost.params({"vocab_size": 101} | shape) * cost.state_bytes(algo) / 2**20
+    state = cost.state_of({"vocab_size": 101} | shape, algo) / 2**20
     assert found["tokens"] == 8 * (16 + found["completion"]) and found["completion"] <= 8
     assert state < found["peak_mb"] < 3 * state, (state, found)
     assert found["step_s"] > 0

@@ -214,7 +214,7 @@ def run_cost(args) -> dict:
     if out is not None:
         check_out(out)
     with tempfile.TemporaryDirectory() as tmp:
-        prompts = long_prompts(8, work["prompt_tokens"])
+        prompts = long_prompts(4, work["prompt_tokens"])
         for name in shapes:
             path = Path(tmp) / name
             build_small_model(path, COST_SHAPES[name])

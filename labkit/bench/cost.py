@@ -2,7 +2,7 @@
 and a cost model that predicts it from the config.
 
 Each (shape, algorithm) runs in a fresh process (`workers.worker_cost`): a model of the shape
-with random weights (nothing downloaded), `COST_WORK`'s batch (8 sequences of at most 128
+with random weights (nothing downloaded), `COST_WORK`'s batch (4 sequences of at most 128
 tokens), two of labkit's steps; it records the tensors' peak over both steps
 (`perf/tensor_peak_mb`: weights, gradients, AdamW states, reference, critic, activations,
 logits) and the second step's time.
@@ -14,8 +14,9 @@ The cost model (`predict_mb`) counts what the config fixes and fits what it does
 
 P parameters, T the update's tokens (sequences x padded length), L layers, H hidden size,
 V vocabulary, s the activations' bytes (4 in fp32, 2 under bf16 autocast), logits in fp32.
-The state bytes: the policy 16 (fp32 weights, gradients, two AdamW moments); a reference 4
-in fp32 or 2 under bf16 autocast (it is held in bf16); PPO's critic another 16. a_algo and
+The state bytes: the policy 16 a parameter (fp32 weights, gradients, two AdamW moments); a
+reference 4 in fp32 or 2 under bf16 autocast (it is held in bf16); PPO's critic 16 a
+parameter of the backbone it copies (`critic_params`). a_algo and
 v_algo are fitted on two shapes (`FIT`) and judged on the others: the third shape measured
 here and an H200 figure measured before (`H200`, GRPO and PPO at Qwen2.5-0.5B's shape in
 bf16). The step time is fitted the same way as seconds per FLOP of the step
@@ -53,11 +54,13 @@ FIT = ("small", "smollm2-135m")
 
 ALGOS = ("grpo", "ppo", "dpo")
 
-COST_WORK = dict(batch_prompts=2, group_size=4, prompt_tokens=64, max_new_tokens=64, beta=0.04)
-"""The batch of every cost measurement: 2 prompts of 64 tokens x 4 completions of up to 64
-tokens, 8 sequences of at most 128 tokens (PPO at Qwen2.5-0.5B's shape, policy, critic and
-reference with their AdamW states, then fits in 24 GiB in fp32); GRPO and PPO hold a
-reference (beta 0.04, DeepSeekMath's), as DPO always does."""
+COST_WORK = dict(batch_prompts=1, group_size=4, prompt_tokens=64, max_new_tokens=64, beta=0.04)
+"""The batch of every cost measurement: 1 prompt of 64 tokens x 4 completions of up to 64
+tokens, 4 sequences of at most 128 tokens. PPO at Qwen2.5-0.5B's shape holds 17.8 GB of
+state in fp32 (policy and critic with their gradients and AdamW moments, the reference), and
+8 such sequences add about 4 GB of activations and logits, past what a 24 GiB machine has
+free; 4 add about 2. GRPO and PPO hold a reference (beta 0.04, DeepSeekMath's), as DPO
+always does."""
 
 H200 = dict(shape="qwen0.5b", precision="bf16", sequences=16, tokens=192,
             measured={"grpo": 12635.0, "ppo": 20201.0})
@@ -82,10 +85,25 @@ def params(shape: dict) -> int:
 
 
 def state_bytes(algo: str, precision: str = "fp32") -> float:
-    """Bytes per parameter of the algorithm's weights, gradients, AdamW moments, reference and
-    critic (the module docstring)."""
+    """Bytes per parameter of the policy's weights, gradients and AdamW moments and the
+    reference (the module docstring); PPO's critic is `state_of`'s."""
     reference = 2.0 if precision == "bf16" else 4.0
-    return 16.0 + reference + (16.0 if algo == "ppo" else 0.0)
+    return 16.0 + reference
+
+
+def critic_params(shape: dict) -> int:
+    """PPO's critic: a copy of the policy's backbone (its embeddings included, the output
+    head left out where it is not tied to them) and a value head of H + 1."""
+    H, V = shape["hidden_size"], shape.get("vocab_size", 101)
+    head = 0 if shape.get("tie_word_embeddings", True) else V * H
+    return params(shape) - head + H + 1
+
+
+def state_of(shape: dict, algo: str, precision: str = "fp32") -> float:
+    """Bytes the config fixes: the policy, its gradients and AdamW moments, the reference,
+    and for PPO the critic with its gradients and AdamW moments (16 bytes a parameter)."""
+    critic = 16.0 * critic_params(shape) if algo == "ppo" else 0.0
+    return params(shape) * state_bytes(algo, precision) + critic
 
 
 def _terms(shape: dict, tokens: int, precision: str) -> tuple[float, float]:
@@ -107,7 +125,7 @@ def fit(rows: list[dict]) -> dict[str, tuple[float, float]]:
         for r in pts:
             shape = SHAPES[r["shape"]]
             act, logit = _terms(shape, r["tokens"], r["precision"])
-            rest = r["peak_mb"] * MIB - params(shape) * state_bytes(algo, r["precision"])
+            rest = r["peak_mb"] * MIB - state_of(shape, algo, r["precision"])
             eqs.append((act, logit, rest))
         (a1, b1, c1), (a2, b2, c2) = eqs
         det = a1 * b2 - a2 * b1
@@ -121,8 +139,7 @@ def predict_mb(coef: tuple[float, float], shape: dict, algo: str, tokens: int,
                precision: str = "fp32") -> float:
     """The cost model's tensor peak, MiB, for `algo` at `shape`, `tokens` update tokens."""
     act, logit = _terms(shape, tokens, precision)
-    return (params(shape) * state_bytes(algo, precision) + coef[0] * act
-            + coef[1] * logit) / MIB
+    return (state_of(shape, algo, precision) + coef[0] * act + coef[1] * logit) / MIB
 
 
 def step_flops(shape: dict, algo: str, sequences: int, prompt: int, completion: int) -> float:
@@ -173,11 +190,10 @@ def held_out(rows: list[dict]) -> list[dict]:
 
 
 def predictions(rows: list[dict]) -> list[dict]:
-    """The cost model at Qwen2.5-1.5B's and 7B's shapes, COST_WORK's batch (8 x 128 tokens),
+    """The cost model at Qwen2.5-1.5B's and 7B's shapes, 8 sequences of 128 tokens,
     in fp32 and under bf16 autocast, each algorithm: the tensors' peak in GiB."""
     coef = fit(rows)
-    tokens = COST_WORK["batch_prompts"] * COST_WORK["group_size"] * (
-        COST_WORK["prompt_tokens"] + COST_WORK["max_new_tokens"])
+    tokens = 8 * 128
     out = []
     for name, shape in PREDICT.items():
         for precision in ("fp32", "bf16"):
