@@ -225,17 +225,17 @@ def _from_records(prereg, records: list[dict], looks: tuple[int, ...] | None = N
         first, level = seeds[:n], plan.confidence(k, prereg.direction)
         if every:
             figure, verdict, interval = _every_arm(prereg, table, base, first, level)
-            fell = _collapsed(records, base, first) if kind == "difference" else 0
-            return (collapse_verdict(fell, len(first)) if fell else verdict), (figure, interval)
+            return verdict, (figure, interval)
         verdict, interval, exact = _decide_pair(
             prereg, kind, [table[arm][s] for s in first], [table[base][s] for s in first],
             level, _gain_floor(records, prereg.measure))
-        fell = _collapsed(records, base, first) if kind == "difference" else 0
-        if fell:  # a collapsed comparator decides nothing, better or worse
-            verdict = collapse_verdict(fell, len(first))
         return verdict, (f"{arm} vs {base}: {interval.format(2)}{exact}", interval)
 
     k, verdict, (figure, interval) = plan.run(len(seeds), read)
+    planned = seeds[:plan.looks[-1]]
+    fell = _collapsed(records, base, planned) if kind == "difference" else 0
+    if fell:  # a collapsed comparator decides nothing, better or worse, at any look
+        verdict = collapse_verdict(fell, len(planned))
     look = (f"{plan.looks[k]} seeds, look {k + 1} of {len(plan.looks)} at "
             f"{100 * interval.confidence:.2f}% ({interval.method})")
     more = ""
