@@ -93,3 +93,17 @@ def test_a_cost_measurement_holds_at_least_the_state_the_model_counts(algo):
     assert found["tokens"] == 8 * (16 + found["completion"]) and found["completion"] <= 8
     assert state < found["peak_mb"] < 3 * state, (state, found)
     assert found["step_s"] > 0
+
+
+def test_a_term_the_two_shapes_would_make_negative_is_held_at_zero():
+    """Two measurements whose exact solution gives the logits a negative share of memory (as
+    PPO's did here: the smaller excess at the larger shape): the fit holds that term at 0 and
+    fits the activations alone, in least squares over both rows."""
+    rows = _rows({"ppo": (22.0, 0.0)}, ["small", "smollm2-135m"])
+    rows[1]["peak_mb"] -= 300  # less excess at the larger shape than activations alone give
+    a, v = cost.fit(rows)["ppo"]
+    assert v == 0.0 and a > 0
+    acts = [cost._terms(cost.SHAPES[r["shape"]], r["tokens"], "fp32")[0] for r in rows]
+    rest = [r["peak_mb"] * 2**20 - cost.state_of(cost.SHAPES[r["shape"]], "ppo") for r in rows]
+    want = sum(x * y for x, y in zip(acts, rest)) / sum(x * x for x in acts)
+    assert a == pytest.approx(want, rel=1e-6)

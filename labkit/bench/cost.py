@@ -114,8 +114,9 @@ def _terms(shape: dict, tokens: int, precision: str) -> tuple[float, float]:
 
 
 def fit(rows: list[dict]) -> dict[str, tuple[float, float]]:
-    """algo -> (a, v) solving the cost model on the FIT shapes' rows exactly (two equations, two
-    unknowns per algorithm). Rows: {shape, algo, tokens, precision, peak_mb}."""
+    """algo -> (a, v) >= 0 solving the cost model on the FIT shapes' rows (two equations, two
+    unknowns per algorithm; `_nonnegative`). Rows: {shape, algo, tokens, precision,
+    peak_mb}."""
     out = {}
     for algo in {r["algo"] for r in rows}:
         pts = [r for r in rows if r["algo"] == algo and r["shape"] in FIT]
@@ -127,12 +128,21 @@ def fit(rows: list[dict]) -> dict[str, tuple[float, float]]:
             act, logit = _terms(shape, r["tokens"], r["precision"])
             rest = r["peak_mb"] * MIB - state_of(shape, algo, r["precision"])
             eqs.append((act, logit, rest))
-        (a1, b1, c1), (a2, b2, c2) = eqs
-        det = a1 * b2 - a2 * b1
-        if abs(det) < 1e-9 * abs(a1 * b2):
-            raise ValueError("the two fit shapes do not separate activations from logits")
-        out[algo] = ((c1 * b2 - c2 * b1) / det, (a1 * c2 - a2 * c1) / det)
+        out[algo] = _nonnegative(eqs)
     return out
+
+
+def _nonnegative(eqs: list[tuple[float, float, float]]) -> tuple[float, float]:
+    """(a, v) >= 0 solving a * act + v * logit = rest on the rows `eqs` in least squares
+    (exactly where two rows allow it). Memory held cannot be negative: where the exact
+    solution gives one term a negative coefficient, the noise of two measurements has been
+    fitted, and that term is set to 0 and the other fitted alone."""
+    from scipy.optimize import nnls
+
+    scale = [max(abs(e[0]) for e in eqs), max(abs(e[1]) for e in eqs)]
+    matrix = [[e[0] / scale[0], e[1] / scale[1]] for e in eqs]
+    solved, _ = nnls(matrix, [e[2] for e in eqs])
+    return float(solved[0] / scale[0]), float(solved[1] / scale[1])
 
 
 def predict_mb(coef: tuple[float, float], shape: dict, algo: str, tokens: int,
