@@ -85,18 +85,17 @@ def test_page_from_finished_runs(finished):
     assert "**supported**" in clear and "paired t over 3 seeds" in clear
     assert "**refuted**" in wrong  # the verdict comes from the interval, not the stored label
     assert "90 min elapsed" in text and text.count("AVX2, 1 thread") == 1  # said once
-    # a claim with no finished run is listed, not left out
-    assert "| 1. GRPO needs less time per step" in text
+    # a claim with no finished run is listed, not left out: 01_cost's claim 1 is restated,
+    # so it is listed under the table as an earlier statement, naming the file that restates it
+    earlier = "- 1 (01_cost.yaml): memory_ratio (ppo vs grpo) above 1.25: not measured yet, "
+    assert earlier + "**inconclusive at this budget**; restated in 01_tensor_memory.yaml" in text
     assert "not run yet (0 of 2 runs)" in (out.with_suffix("") / "01_cost.md").read_text()
-    # claims in id order, and the commands to regenerate the page
-    assert text.index("| 1. ") < text.index("| 7. ")
+    assert text.index("| 7. ") < text.index(earlier)
     # one claim-level verdict per claim, from its preregistered primary measure
     (seven,) = [line for line in glance.splitlines() if line.startswith("| 7.")]
     assert "the article's own words, with its number" in seven
     assert "gain above 0" in seven and "clear: 1.25 [0.50, 2.00]" in seven
     assert seven.endswith("**supported** |") and "| 3 (5), exploratory |" in seven
-    (one,) = [line for line in glance.splitlines() if line.startswith("| 1.")]
-    assert "memory_ratio (ppo vs grpo) above 1.25" in one and "not measured yet" in one
     assert "python -m labkit findings --all --only 07_fixture" in text
     assert "1.00 h of training runs' wall time, 90 min elapsed" in text
     assert "The whole suite took 1.50 h of wall time (2 sweeps" in text
@@ -229,9 +228,13 @@ def test_a_factorial_claims_smoke_sweep_feeds_two_claims(tmp_path):
     page = findings.write_findings(tmp_path / "findings.md", claims, root, smoke=True)
     glance = page.read_text().split("## Every finding")[0]
     every = (page.with_suffix("") / "04_stability.md").read_text()
-    per_arm = len({r["seed"] for r in results[8].records})
-    (eight_line,) = [line for line in glance.splitlines() if line.startswith("| 8.")]
-    assert f"| {per_arm} (5), exploratory |" in eight_line  # seeds per arm, not the monitor rows' runs
+    per_arm = len({r["seed"] for r in results[4].records})
+    (four_line,) = [line for line in glance.splitlines() if line.startswith("| 4.")]
+    assert f"| {per_arm} (10), exploratory |" in four_line  # seeds per arm, not runs
+    # claim 8's first statement is restated (08_monitors.yaml): listed under the table
+    (eight_line,) = [line for line in glance.splitlines() if line.startswith("- 8 ")]
+    assert eight_line.startswith("- 8 (04_stability.yaml): monitor_youden above 0; control: ")
+    assert eight_line.endswith("restated in 08_monitors.yaml")
     rows = [line for line in every.splitlines() if line.startswith(("| 4 |", "| 8 |"))]
     assert len(rows) == len(four) + len(eight)
     assert all(any(f"**{v}**" in row for v in stats.VERDICTS) or "**comparator collapsed on "

@@ -381,7 +381,7 @@ def test_a_length_claim_reads_not_testable_here_when_its_control_did_not_move():
     result.records = _length_records(base, null, stuck)
     decided = claims.claim_verdict(result)
     assert decided.verdict == claims.NOT_TESTABLE
-    assert "did not move the measure past 0.05" in decided.figure
+    assert "not past its margin 0.05: this setting cannot move the measure" in decided.figure
     result.records = [r for r in result.records if r["arm"] != "short"]  # control not run
     decided = claims.claim_verdict(result)
     assert decided.verdict == stats.INCONCLUSIVE and "control not run yet" in decided.figure

@@ -40,6 +40,9 @@ class ClaimResult:
     replication: tuple[int, ...] = ()
     """For the replication of a claim (its file's `replication:` seeds, never run for the
     original): those first seeds; () for the original."""
+    stored: bool = False
+    """Its record and findings were read back from the CSVs (its runs are gone): the page
+    leaves those files as they are rather than writing them again."""
     changed: str | None = None
     """Why a claim whose plan was frozen at its first confirmatory run reads as exploratory
     (labkit.lab.confirm.changed_since_frozen); None where it does not."""
@@ -88,8 +91,7 @@ def claim_verdict(result: ClaimResult) -> ClaimVerdict:
     if control is None:
         if decided.verdict == stats.SUPPORTED:
             return decided
-        return ClaimVerdict(decided.test, f"{decided.figure}; no positive control was run, so "
-                            "a measure that did not move says nothing of the claim",
+        return ClaimVerdict(decided.test, f"{decided.figure}; no positive control was run",
                             NOT_TESTABLE)
     test = f"{decided.test}; control: {control.describe()}"
     found = (_from_records(control.as_preregistration(prereg.seeds), result.records,
@@ -99,12 +101,11 @@ def claim_verdict(result: ClaimResult) -> ClaimVerdict:
                             stats.INCONCLUSIVE if decided.verdict != stats.SUPPORTED
                             else decided.verdict)
     figure, verdict, _ = found
-    shown = f"{decided.figure}; control {figure}"
+    shown = f"{decided.figure}; control {figure.split('; ')[0]}"  # its interval; its look as the claim's
     if verdict == stats.SUPPORTED or decided.verdict == stats.SUPPORTED:
         return ClaimVerdict(test, shown, decided.verdict, decided.mde)
-    return ClaimVerdict(test, f"{shown}: the control did not move the measure past "
-                        f"{control.margin:g}, so this setting cannot answer the claim",
-                        NOT_TESTABLE)
+    return ClaimVerdict(test, f"{shown}, not past its margin {control.margin:g}: this "
+                        "setting cannot move the measure", NOT_TESTABLE)
 
 
 def _verdict(result: ClaimResult) -> ClaimVerdict:
@@ -146,7 +147,14 @@ def _verdict(result: ClaimResult) -> ClaimVerdict:
         verdict = stats.REFUTED
     else:
         verdict = stats.INCONCLUSIVE
-    return ClaimVerdict(test, "; ".join(figures), verdict, ", ".join(mdes))
+    shown = figures if len(figures) <= SHOWN else figures[:SHOWN] + [
+        f"and {len(figures) - SHOWN} more on the claim file's page"]
+    return ClaimVerdict(test, "; ".join(shown), verdict, ", ".join(mdes))
+
+
+SHOWN = 2
+"""A claim decided by several findings shows this many of their figures at a glance; every
+one is on its file's page."""
 
 
 PER_SEED_MEASURES = {"gain": ("gain", 100.0, "difference"),

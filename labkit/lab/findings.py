@@ -313,9 +313,11 @@ def _finish(result: ClaimResult, done: list, facts: list, records_dir) -> None:
     stored = Path(records_dir) / result.record_name if records_dir else None
     if not done and stored is not None and stored.is_file():
         result.records = read_records(stored)
+        result.stored = True
     found = Path(records_dir) / findings_name(result) if records_dir else None
     if not done and found is not None and found.is_file():
         result.rows += read_finding_rows(found, result.claim.get("id", ""))
+        result.stored = True
     for run, ((kinds, commits), elapsed, compute) in zip(done, facts):
         result.rows += [finding_row(run.summary, k, run.id)
                         for k in selected(run.summary, result.claim.get("findings"))]
@@ -434,7 +436,9 @@ def write_findings(out: str | Path = FINDINGS_PAGE, claims_dir: str | Path = CLA
     out = Path(out)
     folder = out.with_suffix("")  # docs/findings/ beside docs/findings.md
     results = collect(claims_dir, root, smoke, records_dir=folder)
-    for result in {r.record_name: r for r in results if r.runs_done}.values():  # one per file
+    # one per file, from its runs: a record read back from its CSV is left as it is
+    for result in {r.record_name: r for r in results
+                   if r.runs_done and not r.stored}.values():
         write_records(result.records, folder / result.record_name)
         if any(r.rows for r in results if r.record_name == result.record_name):
             write_finding_rows([r for r in results if r.record_name == result.record_name],
