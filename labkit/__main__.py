@@ -7,6 +7,7 @@ run    execute a notebook with papermill into a new run directory (`-p NAME VALU
 sweep  run a notebook over the parameter grid and seeds of experiments/NAME.yaml
 diagnose  baseline error and gradient noise of each advantage estimator on one policy
 findings  docs/findings.md from the finished runs of experiments/claims/
+tune  choose each algorithm's learning rate by a tuning grid at tuning seeds
 bench  time the GRPO step, rollout and memory against TRL, model.generate and PPO
 """
 
@@ -292,6 +293,21 @@ def _sweep_parser(sub) -> None:
                           "does, beside other sweeps (its step times then share the cores)")
 
 
+def _tune_parser(sub) -> None:
+    cmd = sub.add_parser("tune", help="choose each algorithm's settings by a tuning file's grid",
+                         description="Run a tuning file's grid (experiments/tuning/*.yaml: a "
+                                     "grid of learning rates per algorithm at tuning seeds, "
+                                     "and the rule that picks), then write each algorithm's "
+                                     "chosen settings to docs/findings/tuned-<name>.json, "
+                                     "which notebook 01 reads (-p tuned FILE).")
+    cmd.add_argument("file", help="experiments/tuning/NAME.yaml")
+    cmd.add_argument("--workers", type=int, default=1, help="notebooks run at once (default 1; "
+                                                            "each runs its arms in parallel)")
+    cmd.add_argument("--root", default=None, help="runs root (default: experiments/runs)")
+    cmd.add_argument("--dry-run", action="store_true", help="check the file and list the runs")
+    cmd.add_argument("--beside", action="store_true", help="run beside a timing sweep")
+
+
 def _findings_parser(sub) -> None:
     cmd = sub.add_parser("findings", help="write docs/findings.md from the finished claim runs",
                          description="Read every claim of experiments/claims/ and the "
@@ -359,16 +375,18 @@ def main(argv: list[str] | None = None) -> int:
     _sweep_parser(sub)
     _diagnose_parser(sub)
     _findings_parser(sub)
+    _tune_parser(sub)
     from labkit.bench import add_parser as _bench_parser
 
     _bench_parser(sub)
     args = parser.parse_args(argv)
     try:
-        if args.command in ("run", "sweep", "findings"):  # the lab wing's commands
+        if args.command in ("run", "sweep", "findings", "tune"):  # the lab wing's commands
             from labkit.lab import commands
 
             return {"run": commands.run_notebook_command, "sweep": commands.run_sweep_command,
-                    "findings": commands.run_findings_command}[args.command](args)
+                    "findings": commands.run_findings_command,
+                    "tune": commands.run_tune_command}[args.command](args)
         if args.command == "bench":
             from labkit.bench import main_bench
 

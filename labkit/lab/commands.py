@@ -32,6 +32,44 @@ def run_findings_command(args) -> int:
     return 0
 
 
+def run_tune_command(args) -> int:
+    """`python -m labkit tune FILE`: run a tuning file's grid (notebook 05's arms at its tuning
+    seeds), then write each algorithm's chosen settings (labkit.lab.tuning)."""
+    from labkit.lab import tuning as tuning_lib
+    from labkit.lab.experiments import project_root
+    from labkit.lab.findings import FINDINGS_PAGE, records_of
+    from labkit.lab.sweeps import checked_sweep
+    from labkit.run.rundir import git_commit
+
+    tuning = tuning_lib.load(args.file)
+    arms = tuning.arms()
+    text = "; ".join(f"{name}: " + ", ".join(f"{k}={v}" for k, v in point.items())
+                     for name, point in arms.items())
+    notebook = project_root() / "notebooks" / "05_arms.ipynb"
+    sweep = checked_sweep(notebook, f"tune_{tuning.name}",
+                          {**tuning.parameters, "arms": text, "seeds": tuning.seeds,
+                           "questions": "gain"},
+                          [tuning.seed], tuning.path.name)
+    root = RUNS_ROOT if args.root is None else args.root
+    if args.dry_run:
+        print(f"{len(arms)} settings x {tuning.seeds} seeds from {tuning.seed}, rule "
+              f"{tuning.rule!r}, plan {tuning.fingerprint()}")
+        for run in plan(sweep, root):
+            print(f"{'done' if run.status == 'done' else 'to run':<7} {run.path}")
+        return 0
+    runs = run_sweep(sweep, root, workers=args.workers, beside=args.beside)
+    records = [r for run in runs if run.status == "done"
+               for r in records_of(read_summary(run.path) or {}, run.id)]
+    chosen = tuning_lib.choose(tuning, records)
+    out = tuning_lib.write_tuned(tuning, chosen, FINDINGS_PAGE.with_suffix(""), git_commit())
+    for algo, s in chosen.items():
+        picked = ", ".join(f"{k} {v:g}" for k, v in s.items() if k in tuning_lib.GRID_KEYS)
+        print(f"{algo}: {picked} (mean gain {100 * s['mean_gain']:.1f} points over "
+              f"{tuning.seeds} seeds)")
+    print(out)
+    return 0
+
+
 def run_notebook_command(args) -> int:
     given = {}
     for name, value in args.parameters:

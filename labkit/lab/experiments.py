@@ -170,7 +170,7 @@ def run_all(configs: Mapping[str, TrainConfig], *, workers: int = 0,
 
 def compare(algos: Iterable[str], *, run_dir: str | Path, seed: int = 0, seeds: int = 1,
             workers: int = 0, callbacks: Sequence[Callable[[StepReport], None]] = (),
-            **overrides) -> dict[str, RunResult]:
+            per_algo: Mapping[str, Mapping] | None = None, **overrides) -> dict[str, RunResult]:
     """Train each algorithm on each seed with the same config (see `run_all` for `workers`).
 
     Seeds are paired: seed s draws the same B prompts at every step for every algorithm, and
@@ -178,7 +178,8 @@ def compare(algos: Iterable[str], *, run_dir: str | Path, seed: int = 0, seeds: 
     keeps the rewarded), so the arms of a seed see the same prompts with the same sample
     budget. DPO and RFT runs leave out the overrides only GRPO's and PPO's update reads
     (`beta`, the clip, ...: `labkit.settings.config_checks.POLICY_GRADIENT_ONLY`). Each run writes
-    `run_dir/<algo>/` (one seed) or `run_dir/<algo>-seed<s>/`; see `run_name`.
+    `run_dir/<algo>/` (one seed) or `run_dir/<algo>-seed<s>/`; see `run_name`. `per_algo`:
+    each algorithm's own settings on top (its tuned lr and passes, labkit.lab.tuning).
     """
     chosen = seed_list(seed, seeds)
     configs = {}
@@ -187,6 +188,7 @@ def compare(algos: Iterable[str], *, run_dir: str | Path, seed: int = 0, seeds: 
             folder = algo if len(chosen) == 1 else f"{algo}-seed{s}"
             given = overrides if algo in ("grpo", "ppo") else \
                 {k: v for k, v in overrides.items() if k not in POLICY_GRADIENT_ONLY}
+            given = {**given, **(per_algo or {}).get(algo, {})}
             configs[run_name(algo, s, chosen)] = run_config(Path(run_dir) / folder, algo=algo,
                                                             seed=s, **given)
     return run_all(configs, workers=workers, callbacks=callbacks)

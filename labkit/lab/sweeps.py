@@ -217,6 +217,13 @@ def _mapping(value, where: str, allowed: tuple = ()) -> dict:
     return value
 
 
+def checked_sweep(notebook: Path, name: str, parameters: dict, seeds: list[int],
+                  where: str) -> Sweep:
+    """A sweep built in code (a tuning file's grid), checked as a YAML file's is."""
+    return _checked(Sweep(Path(notebook).resolve(), name, dict(parameters), {}, list(seeds)),
+                    where)
+
+
 def _checked(sweep: Sweep, where: str) -> Sweep:
     params = notebook_parameters(sweep.notebook)
     book = sweep.notebook.name
