@@ -7,11 +7,13 @@ from __future__ import annotations
 import json
 import sys
 
-from labkit.lab.findings import run_claims, write_findings
+from labkit.lab import tuning as tuning_lib
+from labkit.lab.experiments import project_root
+from labkit.lab.findings import FINDINGS_PAGE, records_of, run_claims, write_findings
 from labkit.lab.report import REPORT
 from labkit.lab.runner import RunFailed, read_summary, run_notebook
-from labkit.lab.sweeps import CSV_NAME, PLOT_NAME, load_sweep, plan, run_sweep
-from labkit.run.rundir import RUNS_ROOT
+from labkit.lab.sweeps import CSV_NAME, PLOT_NAME, checked_sweep, load_sweep, plan, run_sweep
+from labkit.run.rundir import RUNS_ROOT, git_commit
 
 
 def run_findings_command(args) -> int:
@@ -35,12 +37,6 @@ def run_findings_command(args) -> int:
 def run_tune_command(args) -> int:
     """`python -m labkit tune FILE`: run a tuning file's grid (notebook 05's arms at its tuning
     seeds), then write each algorithm's chosen settings (labkit.lab.tuning)."""
-    from labkit.lab import tuning as tuning_lib
-    from labkit.lab.experiments import project_root
-    from labkit.lab.findings import FINDINGS_PAGE, records_of
-    from labkit.lab.sweeps import checked_sweep
-    from labkit.run.rundir import git_commit
-
     tuning = tuning_lib.load(args.file)
     arms = tuning.arms()
     text = "; ".join(f"{name}: " + ", ".join(f"{k}={v}" for k, v in point.items())
