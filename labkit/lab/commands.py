@@ -54,7 +54,7 @@ def run_tune_command(args) -> int:
             print(f"{'done' if run.status == 'done' else 'to run':<7} {run.path}")
         return 0
     runs = run_sweep(sweep, root, workers=args.workers, beside=args.beside)
-    records = [r for run in runs if run.status == "done"
+    records = [r for run in runs if run.status in ("ok", "done")
                for r in records_of(read_summary(run.path) or {}, run.id)]
     chosen = tuning_lib.choose(tuning, records)
     out = tuning_lib.write_tuned(tuning, chosen, FINDINGS_PAGE.with_suffix(""), git_commit())
