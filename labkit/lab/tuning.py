@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from labkit.lab import confirm
+from labkit.lab.experiments import project_root
 from labkit.settings.defaults import ALGO_LR
 
 KEYS = ("name", "parameters", "grid", "seed", "seeds", "rule")
@@ -169,10 +170,12 @@ def write_tuned(tuning: Tuning, chosen: dict, records_dir: str | Path,
 
 def read_tuned(path: str | Path) -> dict[str, dict]:
     """algo -> the settings a tuned file chose (lr, num_iterations where tuned), for notebook
-    01's `tuned` parameter; {} for an empty path."""
+    01's `tuned` parameter (a relative path from the checkout's root); {} for an empty path."""
     if not path:
         return {}
     path = Path(path)
+    if not path.is_absolute() and not path.is_file():  # a notebook runs in its run folder
+        path = project_root() / path
     if not path.is_file():
         raise ValueError(f"tuned: no tuned settings at {path} (python -m labkit tune writes "
                          "them)")
