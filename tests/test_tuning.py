@@ -80,3 +80,28 @@ def test_each_algorithm_runs_at_its_own_settings(monkeypatch, tmp_path):
                         beta=0.02, steps=2, per_algo={"dpo": {"lr": 5e-4, "num_iterations": 1}})
     assert (seen["grpo"].lr, seen["grpo"].num_iterations, seen["grpo"].beta) == (1e-3, 2, 0.02)
     assert (seen["dpo"].lr, seen["dpo"].num_iterations) == (5e-4, 1)
+
+
+def test_notebook_05s_arms_take_their_algorithms_tuned_settings_under_their_own(tmp_path):
+    """A claim's arms with `tuned`: each arm's algorithm's settings, the arm's own fields
+    winning; an algorithm the file does not cover is refused naming the arm; and the plan's
+    fingerprint reads the tuned file's content, so a re-tuned file changes the plan."""
+    from labkit.lab import confirm
+
+    tuned = {"grpo": {"lr": 5e-4, "num_iterations": 2, "beta": 0.02},
+             "dpo": {"lr": 2.5e-4, "num_iterations": 2}}
+    arms = {"grpo": {"algo": "grpo"}, "dpo": {"algo": "dpo"},
+            "grpo_fast": {"algo": "grpo", "lr": 2e-3}, "plain": {}}
+    out = tuning.apply_tuned(arms, {"algo": "grpo", "lr": 1e-3}, tuned)
+    assert out["dpo"] == {"lr": 2.5e-4, "num_iterations": 2, "algo": "dpo"}
+    assert out["grpo_fast"]["lr"] == 2e-3 and out["grpo_fast"]["beta"] == 0.02
+    assert out["plain"]["lr"] == 5e-4  # the shared algo's, over the shared lr
+    assert tuning.apply_tuned(arms, {}, {}) == arms
+    with pytest.raises(ValueError, match="no tuned settings for algo ppo \\(arm critic\\)"):
+        tuning.apply_tuned({"critic": {"algo": "ppo"}}, {}, tuned)
+    path = tmp_path / "tuned.json"
+    path.write_text('{"settings": {"grpo": {"lr": 0.0005}}}')
+    claim = {"preregistered": {"measure": "gain"}}
+    before = confirm.plan_fingerprint(claim, {"tuned": str(path)})
+    path.write_text('{"settings": {"grpo": {"lr": 0.001}}}')
+    assert confirm.plan_fingerprint(claim, {"tuned": str(path)}) != before

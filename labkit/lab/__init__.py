@@ -30,10 +30,10 @@ from labkit.lab.summaries import (arms_table, describe, describe_diagnostics, de
                                   summary_rows, sweep_rows, write_outputs)
 from labkit.lab.verdicts import (Finding, algo_findings, arm_findings, arm_rows, describe_findings,
                                  findings_summary, group_size_findings, grpo_vs_ppo)
-from labkit.lab.tuning import read_tuned
+from labkit.lab.tuning import apply_tuned, read_tuned
 from labkit.lab.widgets import live_controls
 
-__all__ = ["parse_monitors", "read_tuned", "BUDGETS", "DEFAULT_ARMS", "MONITORS", "NOTEBOOK_DEFAULTS", "QUESTIONS", "Finding",
+__all__ = ["parse_monitors", "read_tuned", "apply_tuned", "BUDGETS", "DEFAULT_ARMS", "MONITORS", "NOTEBOOK_DEFAULTS", "QUESTIONS", "Finding",
            "answer", "arms_table", "arm_findings", "arm_rows", "diagnostic_findings", "factor_findings",
            "monitor_findings", "parse_fields", "informative_findings", "informative_prediction",
            "batch_prompts_for", "compare", "first_and_last_rollouts", "compare_arms", "describe", "describe_diagnostics", "describe_findings",

@@ -78,9 +78,14 @@ def seed_range(seed: int) -> str:
 
 def plan_fingerprint(claim: dict, parameters: dict, grid: dict | None = None) -> str:
     """16 hex digits fixing a claim's plan: its preregistered block (test, control, seeds)
-    and the settings its arms run (the sweep's parameters and grid)."""
+    and the settings its arms run (the sweep's parameters and grid, and the content of the
+    tuned file its `tuned` parameter names)."""
+    tuned = parameters.get("tuned")  # the settings a tuned file chose are part of the plan
+    if tuned:  # relative to the cwd, else to the checkout this package lies in
+        path = Path(tuned) if Path(tuned).is_file() else Path(__file__).parents[2] / tuned
+        tuned = path.read_text() if path.is_file() else f"missing: {tuned}"
     text = json.dumps({"preregistered": claim.get("preregistered"), "parameters": parameters,
-                       "grid": grid or {}}, sort_keys=True, default=str)
+                       "grid": grid or {}, "tuned": tuned}, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

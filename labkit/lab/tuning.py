@@ -181,3 +181,19 @@ def read_tuned(path: str | Path) -> dict[str, dict]:
                          "them)")
     settings = json.loads(path.read_text())["settings"]
     return {algo: {k: v for k, v in s.items() if k in GRID_KEYS} for algo, s in settings.items()}
+
+
+def apply_tuned(arms: dict[str, dict], shared: dict, tuned: dict[str, dict]) -> dict[str, dict]:
+    """Notebook 05's arms, each given its algorithm's tuned settings (`read_tuned`) under the
+    fields it sets itself; {} of `tuned` leaves them as they are. ValueError naming the arm
+    whose algorithm the tuned file does not cover."""
+    if not tuned:
+        return arms
+    out = {}
+    for name, fields in arms.items():
+        algo = fields.get("algo", shared.get("algo", "grpo"))
+        if algo not in tuned:
+            raise ValueError(f"tuned: no tuned settings for algo {algo} (arm {name}); the file "
+                             f"covers {', '.join(sorted(tuned))}")
+        out[name] = {**tuned[algo], **fields}
+    return out
