@@ -23,10 +23,10 @@ def _changed(tmp_path, change) -> Path:
 def test_the_main_jobs_tuning_file_is_a_fair_grid():
     found = tuning.load(MAIN)
     arms = found.arms()
-    assert len(arms) == 16 and arms["dpo-lr0.0005-it1"] == {"algo": "dpo", "lr": 0.0005,
-                                                            "num_iterations": 1}
+    assert len(arms) == 16 and arms["dpo-lr0.0005-it1"] == {
+        "algo": "dpo", "lr": 0.0005, "num_iterations": 1, "entry": "dpo"}
     assert arms["grpo-lr0.001"] == {"algo": "grpo", "lr": 0.001, "num_iterations": 2,
-                                    "beta": 0.02}
+                                    "beta": 0.02, "entry": "grpo"}
     assert found.seed == 500 and found.seeds == 3 and len(found.fingerprint()) == 16
 
 
@@ -105,3 +105,28 @@ def test_notebook_05s_arms_take_their_algorithms_tuned_settings_under_their_own(
     before = confirm.plan_fingerprint(claim, {"tuned": str(path)})
     path.write_text('{"settings": {"grpo": {"lr": 0.001}}}')
     assert confirm.plan_fingerprint(claim, {"tuned": str(path)}) != before
+
+
+def test_an_arm_that_brings_its_own_fields_is_tuned_as_itself(tmp_path):
+    """A claim's arm (rloo: GRPO with the leave-one-out estimator) gets its own entry: its
+    grid points carry its fields, the rule picks its lr apart from GRPO's, and a claim's arm
+    of that name takes its own choice before its algorithm's."""
+    path = _changed(tmp_path, lambda s: s["grid"].update(
+        rloo={"fields": {"algo": "grpo", "estimator": "rloo"},
+              "lr": [0.00025, 0.0005, 0.001, 0.002]}))
+    found = tuning.load(path)
+    assert found.arms()["rloo-lr0.002"] == {"algo": "grpo", "estimator": "rloo", "lr": 0.002,
+                                            "entry": "rloo"}
+    gains = {"rloo-lr0.002": 0.2, "grpo-lr0.0005": 0.1}
+    records = [{"arm": arm, "seed": 500 + k, "gain": gains.get(arm, 0.0)}
+               for arm in found.arms() for k in range(3)]
+    chosen = tuning.choose(found, records)
+    assert chosen["rloo"]["lr"] == 0.002 and chosen["grpo"]["lr"] == 0.0005
+    settings = {name: {k: v for k, v in c.items() if k in tuning.GRID_KEYS}
+                for name, c in chosen.items()}
+    out = tuning.apply_tuned({"rloo": {"estimator": "rloo"}, "grpo": {}}, {"algo": "grpo"},
+                             settings)
+    assert out["rloo"]["lr"] == 0.002 and out["grpo"]["lr"] == 0.0005
+    bad = _changed(tmp_path, lambda s: s["grid"].update(rloo={"lr": [0.001] * 4}))
+    with pytest.raises(ValueError, match="grid.rloo: not an algorithm"):
+        tuning.load(bad)

@@ -39,7 +39,8 @@ def run_tune_command(args) -> int:
     seeds), then write each algorithm's chosen settings (labkit.lab.tuning)."""
     tuning = tuning_lib.load(args.file)
     arms = tuning.arms()
-    text = "; ".join(f"{name}: " + ", ".join(f"{k}={v}" for k, v in point.items())
+    text = "; ".join(f"{name}: " + ", ".join(f"{k}={v}" for k, v in point.items()
+                                             if k != "entry")
                      for name, point in arms.items())
     notebook = project_root() / "notebooks" / "05_arms.ipynb"
     sweep = checked_sweep(notebook, f"tune_{tuning.name}",

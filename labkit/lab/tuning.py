@@ -10,6 +10,7 @@ tuning seeds and the rule that picks:
     grid:                          # per algorithm: lr (and num_iterations for DPO and RFT;
       grpo: {lr: [2.5e-4, 5e-4, 1e-3, 2e-3], beta: [0.02]}   # one value: fixed, not tuned)
       dpo: {lr: [2.5e-4, 5e-4, 1e-3, 2e-3], num_iterations: [1, 2]}
+      rloo: {fields: {algo: grpo, estimator: rloo}, lr: [...]}  # an arm that brings its own
     seed: 500                      # tuning seeds: labkit.lab.confirm's range, 500-999
     seeds: 3
     rule: best mean gain           # RULES
@@ -37,6 +38,9 @@ from labkit.settings.defaults import ALGO_LR
 
 KEYS = ("name", "parameters", "grid", "seed", "seeds", "rule")
 GRID_KEYS = ("lr", "num_iterations", "beta")
+ENTRY_KEYS = (*GRID_KEYS, "fields")
+"""A grid entry: an algorithm (its name), or an arm of a claim by its name with `fields`, the
+TrainConfig fields it brings (`algo=grpo, estimator=rloo`), tuned the same way."""
 PASSES_FOR = ("dpo", "rft")
 """The algorithms whose passes per batch are tuned beside the learning rate."""
 MIN_VALUES, MIN_SPAN, MIN_SEEDS = 4, 8.0, 3
@@ -62,16 +66,19 @@ class Tuning:
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def arms(self) -> dict[str, dict]:
-        """Every grid point as a notebook-05 arm: 'dpo-lr0.0005-it1' -> {algo, lr, ...}."""
+        """Every grid point as a notebook-05 arm: 'dpo-lr0.0005-it1' -> {algo, lr, ...}; an
+        arm's entry with its own fields ('rloo-lr0.001' -> {algo, estimator, lr})."""
         out = {}
-        for algo, axes in self.grid.items():
-            names = list(axes)
+        for entry, axes in self.grid.items():
+            fields = dict(axes.get("fields") or {})
+            fields.setdefault("algo", entry)
+            names = [n for n in axes if n != "fields"]
             for values in itertools.product(*(axes[n] for n in names)):
                 point = dict(zip(names, values))
-                label = "-".join([algo, f"lr{point['lr']:g}"] +
+                label = "-".join([entry, f"lr{point['lr']:g}"] +
                                  ([f"it{point['num_iterations']}"]
                                   if len(axes.get("num_iterations", [])) > 1 else []))
-                out[label] = {"algo": algo, **point}
+                out[label] = {**fields, **point, "entry": entry}
         return out
 
 
@@ -102,12 +109,18 @@ def load(path: str | Path) -> Tuning:
     grid = spec["grid"]
     if not isinstance(grid, dict) or not grid:
         raise ValueError(f"{where}: grid must map each algorithm to its values")
-    for algo, axes in grid.items():
-        who = f"{where}: grid.{algo}"
+    for name, axes in grid.items():
+        who = f"{where}: grid.{name}"
+        if not isinstance(axes, dict) or sorted(set(axes) - set(ENTRY_KEYS)):
+            raise ValueError(f"{who} must map {', '.join(GRID_KEYS)} to lists of values (and "
+                             "an arm its fields)")
+        fields = axes.get("fields") or {}
+        if not isinstance(fields, dict):
+            raise ValueError(f"{who}.fields must map TrainConfig fields to values")
+        algo = fields.get("algo", name)
         if algo not in ALGO_LR:
-            raise ValueError(f"{who}: unknown algorithm; algorithms: {', '.join(ALGO_LR)}")
-        if not isinstance(axes, dict) or sorted(set(axes) - set(GRID_KEYS)):
-            raise ValueError(f"{who} must map {', '.join(GRID_KEYS)} to lists of values")
+            raise ValueError(f"{who}: not an algorithm ({', '.join(ALGO_LR)}), and its fields "
+                             "name none (fields: {algo: ...})")
         lrs = axes.get("lr")
         if not (isinstance(lrs, list) and all(isinstance(x, (int, float)) and x > 0
                                               for x in lrs)):
@@ -134,10 +147,10 @@ def choose(tuning: Tuning, records: list[dict]) -> dict[str, dict]:
     records of its sweep ({arm, seed, gain, collapsed})."""
     arms = tuning.arms()
     out = {}
-    for algo in tuning.grid:
+    for algo in tuning.grid:  # an algorithm, or an arm's entry
         table = {}
         for arm, point in arms.items():
-            if point["algo"] != algo:
+            if point["entry"] != algo:
                 continue
             rows = [r for r in records if r["arm"] == arm and "gain" in r]
             if len(rows) < tuning.seeds:
@@ -147,7 +160,7 @@ def choose(tuning: Tuning, records: list[dict]) -> dict[str, dict]:
                           "collapsed": sum(int(r.get("collapsed", 0)) for r in rows),
                           "runs": len(rows)}
         best = max(table, key=lambda a: (table[a]["mean_gain"], a))
-        chosen = {k: v for k, v in arms[best].items() if k != "algo"}
+        chosen = {k: v for k, v in arms[best].items() if k in GRID_KEYS}
         out[algo] = {**chosen, "mean_gain": table[best]["mean_gain"], "grid": table}
     return out
 
@@ -184,16 +197,17 @@ def read_tuned(path: str | Path) -> dict[str, dict]:
 
 
 def apply_tuned(arms: dict[str, dict], shared: dict, tuned: dict[str, dict]) -> dict[str, dict]:
-    """Notebook 05's arms, each given its algorithm's tuned settings (`read_tuned`) under the
-    fields it sets itself; {} of `tuned` leaves them as they are. ValueError naming the arm
+    """Notebook 05's arms, each given its own tuned settings where the file has an entry of its
+    name, else its algorithm's (`read_tuned`), under the fields it sets itself; {} of `tuned` leaves them as they are. ValueError naming the arm
     whose algorithm the tuned file does not cover."""
     if not tuned:
         return arms
     out = {}
     for name, fields in arms.items():
         algo = fields.get("algo", shared.get("algo", "grpo"))
-        if algo not in tuned:
+        found = tuned.get(name, tuned.get(algo))  # the arm's own entry, else its algorithm's
+        if found is None:
             raise ValueError(f"tuned: no tuned settings for algo {algo} (arm {name}); the file "
                              f"covers {', '.join(sorted(tuned))}")
-        out[name] = {**tuned[algo], **fields}
+        out[name] = {**found, **fields}
     return out
