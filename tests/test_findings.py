@@ -337,3 +337,27 @@ def test_a_replication_is_read_once_at_its_fresh_seeds_beside_the_original(finis
     fixture.write_text(fixture.read_text().replace("replication: [100]", "replication: [2]"))
     with pytest.raises(ValueError, match="seeds \\+ replication"):
         load_sweep(fixture)
+
+
+def test_the_committed_page_regenerates_from_its_csvs_alone(tmp_path):
+    """With no run present, the shipped per-seed and findings CSVs give the committed page
+    again, and each claim file's page (but for the commit it was made at, and the figures,
+    drawn only with the `figures` extra)."""
+    shipped = REPO / "docs" / "findings"
+    folder = tmp_path / "findings"
+    folder.mkdir()
+    for path in [*shipped.glob("*.csv"), *shipped.glob("*.json")]:
+        shutil.copy(path, folder / path.name)
+    page = findings.write_findings(tmp_path / "findings.md", REPO / "experiments" / "claims",
+                                   tmp_path / "no-runs", figures=False)
+
+    def text(path: Path) -> list[str]:
+        body = path.read_text().split("\n## Figures")[0]  # the figures are drawn apart
+        return [line for line in body.splitlines()
+                if "generated at commit" not in line and "(at commit `" not in line]
+
+    assert text(page) == text(REPO / "docs" / "findings.md")
+    pages = sorted(p.name for p in shipped.glob("*.md"))
+    assert pages == sorted(p.name for p in folder.glob("*.md"))
+    for name in pages:
+        assert text(folder / name) == text(shipped / name), name
