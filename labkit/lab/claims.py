@@ -16,7 +16,7 @@ from pathlib import Path
 
 from labkit.formulas import stats, stats_design
 from labkit.lab import preregistration
-from labkit.lab.verdicts import collapse_verdict
+from labkit.lab.verdicts import collapse_verdict, collapsed_on
 
 
 @dataclass
@@ -83,8 +83,8 @@ def claim_verdict(result: ClaimResult) -> ClaimVerdict:
     its verdict (the measure moved); otherwise, unless the control moved its measure past
     its margin, the claim is `NOT_TESTABLE` with the reason, never refuted. The control's
     interval is shown with the figure."""
-    decided = _verdict(result)
     prereg = preregistration.check(result.claim, result.file.name, check_arms=False)
+    decided = _verdict(result, prereg)
     if prereg.measure not in preregistration.NEEDS_CONTROL and prereg.control is None:
         return decided
     control = prereg.control
@@ -108,14 +108,13 @@ def claim_verdict(result: ClaimResult) -> ClaimVerdict:
                         "setting cannot move the measure", NOT_TESTABLE)
 
 
-def _verdict(result: ClaimResult) -> ClaimVerdict:
+def _verdict(result: ClaimResult, prereg: preregistration.Preregistration) -> ClaimVerdict:
     """The claim-level verdict: the preregistered primary measure read by
     `labkit.formulas.stats_design.decide` from the findings whose question holds the preregistered `finding`
     words and the compared arms. Several such findings (one per G, say) must each support
     the claim for it to be supported, and refute it if any refutes it. Every arm against a
     baseline (`compare: [all, ...]`) is decided from the per-seed values arm by arm (Bonferroni),
     which the stored intervals cannot give."""
-    prereg = preregistration.check(result.claim, result.file.name, check_arms=False)
     test = prereg.describe()
     within = PER_SEED_MEASURES.get(prereg.measure, ("", 0, ""))[2] in ("within", "change",
                                                                          "level")
@@ -241,7 +240,7 @@ def _from_records(prereg, records: list[dict], looks: tuple[int, ...] | None = N
 
     k, verdict, (figure, interval) = plan.run(len(seeds), read)
     planned = seeds[:plan.looks[-1]]
-    fell = _collapsed(records, base, planned) if kind == "difference" else 0
+    fell = collapsed_on(records, base, planned)[0] if kind == "difference" else 0
     if fell:  # a collapsed comparator decides nothing, better or worse, at any look
         verdict = collapse_verdict(fell, len(planned))
     look = (f"{plan.looks[k]} seeds, look {k + 1} of {len(plan.looks)} at "
@@ -320,35 +319,16 @@ def _within(prereg, records: list[dict], top: str, bottom: str,
             f"{100 * interval.confidence:.2f}% ({interval.method})", verdict, "")
 
 
-def _pair(kind: str, a: list[float], b: list[float], level: float,
-          floor: float) -> stats.Interval:
-    if kind == "ratio":
-        return stats.ratio_interval(a, b, level)
-    if kind == "binary":
-        return _binary(a, b, level).interval
-    return stats.paired_interval(a, b, level, sd_floor=floor)
-
-
-def _collapsed(records: list[dict], arm: str, seeds: list[int]) -> int:
-    """How many of `seeds` the record's `arm` (or the arm it names, 'samples/G=4') collapsed
-    on."""
-    return sum(1 for r in records if (r["arm"] == arm or r["arm"].endswith("/" + arm))
-               and r["seed"] in seeds and r.get("collapsed", 0) > 0.5)
-
-
-def _binary(a: list[float], b: list[float], level: float,
-            unit: str = "seeds") -> stats_design.PairedBinary:
-    return stats_design.paired_binary([x > 0.5 for x in a], [y > 0.5 for y in b], level, unit)
-
-
 def _decide_pair(prereg, kind: str, a: list[float], b: list[float], level: float,
                  floor: float, unit: str = "seeds") -> tuple[str, stats.Interval, str]:
     """(verdict, interval, the exact test's words) of one paired comparison: a binary one is
     decided with McNemar's exact test confirming the interval (`stats_design.decide_binary`)."""
     if kind != "binary":
-        interval = _pair(kind, a, b, level, floor)
+        interval = (stats.ratio_interval(a, b, level) if kind == "ratio"
+                    else stats.paired_interval(a, b, level, sd_floor=floor))
         return prereg.decide(interval), interval, ""
-    found = _binary(a, b, level, unit)
+    found = stats_design.paired_binary([x > 0.5 for x in a], [y > 0.5 for y in b], level,
+                                       unit)
     up, down = stats_design.exact_sides(found.only_a, found.only_b)
     side = down if prereg.direction == "below" else up
     words = (f"; exact one-sided p {side:.3g} (a side may spend "

@@ -119,10 +119,13 @@ def accuracy_noise(rows: Sequence[dict]) -> str:
     return f"one run's accuracy on {eval_n} held-out problems has a binomial s.e. of {se:.3f}"
 
 
-def collapsed_on(rows: Sequence[dict], arm: str) -> tuple[int, int]:
-    """(runs of `arm` that collapsed, runs of `arm` that say), from the rows' `collapsed`."""
-    said = [r for r in rows if r["arm"] == arm and "collapsed" in r]
-    return sum(int(r["collapsed"]) for r in said), len(said)
+def collapsed_on(rows: Sequence[dict], arm: str,
+                 seeds: Sequence[int] | None = None) -> tuple[int, int]:
+    """(runs of `arm` that collapsed, runs of `arm` that say), from the rows' `collapsed`: the
+    arm by its name or the one it ends ('G=4' is 'samples/G=4'), on `seeds` where given."""
+    said = [r for r in rows if (r["arm"] == arm or str(r["arm"]).endswith("/" + arm))
+            and "collapsed" in r and (seeds is None or r["seed"] in seeds)]
+    return sum(r["collapsed"] > 0.5 for r in said), len(said)
 
 
 def comparator_collapsed(rows: Sequence[dict], found: Finding, comparator: str) -> Finding:
