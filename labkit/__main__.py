@@ -331,6 +331,9 @@ def _findings_parser(sub) -> None:
     cmd.add_argument("--beside", action="store_true",
                      help="with --all: run claim sweeps beside other sweeps even where they "
                           "time steps (by default a timing sweep runs alone)")
+    cmd.add_argument("--confirmatory", action="store_true",
+                     help="with --all: run each claim file's `confirmatory:` stage (reserved "
+                          "seeds, its plan frozen first) instead of its exploratory runs")
     cmd.add_argument("--no-figures", action="store_true",
                      help="write the table only, no SVG figure per claim (the figures need "
                           "kaleido, the `figures` extra, and a Chrome or Chromium)")

@@ -73,8 +73,8 @@ def test_the_page_calls_a_claim_confirmatory_only_at_reserved_seeds():
 
 
 def test_a_plan_edited_after_its_first_confirmatory_run_reads_exploratory(tmp_path, monkeypatch):
-    """findings --all at confirmatory seeds freezes each claim's plan (preregistered block
-    and arms' settings) before its first run; editing the block afterwards makes the page
+    """findings --all --confirmatory freezes each claim's plan (preregistered block and arms'
+    settings) before its first confirmatory run; editing the block afterwards makes the page
     call the claim exploratory, in one line saying why."""
     from pathlib import Path
 
@@ -87,21 +87,26 @@ def test_a_plan_edited_after_its_first_confirmatory_run_reads_exploratory(tmp_pa
     spec = yaml.safe_load((repo / "experiments" / "claims" / "06_reward_accuracy.yaml")
                           .read_text())
     spec["notebook"] = str(repo / "notebooks" / "05_arms.ipynb")
-    spec["seeds"] = [1000]
+    spec["confirmatory"] = [1000]
     claims_dir, records = tmp_path / "claims", tmp_path / "records"
     claims_dir.mkdir()
     path = claims_dir / "06_reward_accuracy.yaml"
     path.write_text(yaml.safe_dump(spec, allow_unicode=True))
-    monkeypatch.setattr(lab_findings, "run_sweep", lambda sweep, root, **kw: [])
-    lab_findings.run_claims(claims_dir, tmp_path / "runs", records_dir=records)
+    ran = []
+    monkeypatch.setattr(lab_findings, "run_sweep",
+                        lambda sweep, root, **kw: ran.append(sweep.name) or [])
+    lab_findings.run_claims(claims_dir, tmp_path / "runs", records_dir=records,
+                            confirmatory=True)
+    assert ran == ["claim06_reward_accuracy-confirmatory"]  # the stage alone, in its folder
     frozen = confirm.plan_path(records, "06_reward_accuracy")
     assert frozen.is_file() and "fingerprint" in frozen.read_text()
-    (result,) = lab_findings.collect(claims_dir, tmp_path / "runs", records_dir=records)
-    assert result.changed is None
+    result = lab_findings.collect(claims_dir, tmp_path / "runs", records_dir=records)[-1]
+    assert result.confirmatory and result.changed is None
     spec["claim"]["preregistered"]["threshold"] = 5  # the test moved after the plan froze
     path.write_text(yaml.safe_dump(spec, allow_unicode=True))
-    lab_findings.run_claims(claims_dir, tmp_path / "runs", records_dir=records)
-    (result,) = lab_findings.collect(claims_dir, tmp_path / "runs", records_dir=records)
+    lab_findings.run_claims(claims_dir, tmp_path / "runs", records_dir=records,
+                            confirmatory=True)
+    result = lab_findings.collect(claims_dir, tmp_path / "runs", records_dir=records)[-1]
     assert result.changed.startswith("exploratory: its plan changed after its first "
                                      "confirmatory run (frozen ")
     assert "\n" not in result.changed

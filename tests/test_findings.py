@@ -87,7 +87,8 @@ def test_page_from_finished_runs(finished):
     assert "90 min elapsed" in text and text.count("AVX2, 1 thread") == 1  # said once
     # a claim with no finished run is listed, not left out: 01_cost's claim 1 is restated,
     # so it is listed under the table as an earlier statement, naming the file that restates it
-    earlier = "- 1 (01_cost.yaml): memory_ratio (ppo vs grpo) above 1.25: not measured yet, "
+    earlier = ("- 1 (01_cost.yaml): memory_ratio (ppo vs grpo) above 1.25: not measured yet; "
+               "0 of 10 seeds, ")
     assert earlier + "**inconclusive at this budget**; restated in 01_tensor_memory.yaml" in text
     assert "not run yet (0 of 2 runs)" in (out.with_suffix("") / "01_cost.md").read_text()
     assert text.index("| 7. ") < text.index(earlier)
@@ -95,10 +96,11 @@ def test_page_from_finished_runs(finished):
     (seven,) = [line for line in glance.splitlines() if line.startswith("| 7.")]
     assert "the article's own words, with its number" in seven
     assert "gain above 0" in seven and "clear: 1.25 [0.50, 2.00]" in seven
-    assert seven.endswith("**supported** |") and "| 3 (5), exploratory |" in seven
+    assert "| **supported**: clear: 1.25 [0.50, 2.00]; 3 of 5 seeds |" in seven
+    assert seven.endswith("| not run yet | - |")  # the file has no confirmatory stage
     assert "python -m labkit findings --all --only 07_fixture" in text
     assert "1.00 h of training runs' wall time, 90 min elapsed" in text
-    assert "The whole suite took 1.50 h of wall time (2 sweeps" in text
+    assert "The whole suite took 1.50 h of wall time (1 sweep," in text  # 01_cost not run
 
 
 def test_the_claims_of_one_file_share_one_command_line(finished):
@@ -230,7 +232,7 @@ def test_a_factorial_claims_smoke_sweep_feeds_two_claims(tmp_path):
     every = (page.with_suffix("") / "04_stability.md").read_text()
     per_arm = len({r["seed"] for r in results[4].records})
     (four_line,) = [line for line in glance.splitlines() if line.startswith("| 4.")]
-    assert f"| {per_arm} (10), exploratory |" in four_line  # seeds per arm, not runs
+    assert f"; {per_arm} of 10 seeds |" in four_line  # seeds per arm, not runs
     # claim 8's first statement is restated (08_monitors.yaml): listed under the table
     (eight_line,) = [line for line in glance.splitlines() if line.startswith("- 8 ")]
     assert eight_line.startswith("- 8 (04_stability.yaml): monitor_youden above 0; control: ")
@@ -266,8 +268,7 @@ def test_the_page_decides_a_claim_from_its_per_seed_csv_once_its_runs_are_gone(f
                     if line.startswith("| 7."))
 
     before = glance_line(out.read_text())
-    assert "grpo vs ppo: 9.60 [" in before and before.endswith("**supported** |")
-    assert "5 seeds, look 1 of 1 at 95.00%" in before
+    assert "| **supported**: grpo vs ppo: 9.60 [" in before and "; 5 of 5 seeds |" in before
     shutil.rmtree(root / "claim_fixture")  # the runs are gone; the CSV stays
     findings.write_findings(out, claims, root)
     assert glance_line(out.read_text()).split(" | ")[4:] == before.split(" | ")[4:]
@@ -322,17 +323,16 @@ def test_a_replication_is_read_once_at_its_fresh_seeds_beside_the_original(finis
             {"metadata": {"papermill": {"duration": 60}}}))
     findings.write_findings(out, claims, root)
     glance = out.read_text().split("## Every finding")[0]
-    original, again = [line for line in glance.splitlines() if line.startswith("| 7")]
-    assert original.startswith("| 7. the fixture's claim") and "**supported**" in original
-    assert again.startswith("| 7, replicated at fresh seeds (first seed 100)")
-    assert "look 1 of 1" in again and "**inconclusive at this budget**" in again
-    assert "| 5 (5), exploratory |" in again
+    (original,) = [line for line in glance.splitlines() if line.startswith("| 7")]
+    assert original.startswith("| 7. the fixture's claim") and "| **supported**: " in original
+    (again,) = [line for line in glance.splitlines()
+                if line.startswith("- 7, replicated at fresh seeds (first seed 100)")]
+    assert "; 5 of 5 seeds; **inconclusive at this budget**, which differs from the " \
+           "original (supported)." in again
     rows = (out.with_suffix("") / "07_fixture-replication.csv").read_text().splitlines()
     assert len(rows) == 11 and all(r.split(",")[2] in {str(s) for s in range(100, 105)}
                                    for r in rows[1:])
     assert "- claim 7 (replication):" in out.read_text()
-    assert "- claim 7: the replication at fresh seeds (inconclusive at this budget) differs " \
-           "from the original (supported)." in out.read_text()
     # a replication's seeds must lie apart from the original's, and it needs a claim
     fixture.write_text(fixture.read_text().replace("replication: [100]", "replication: [2]"))
     with pytest.raises(ValueError, match="seeds \\+ replication"):

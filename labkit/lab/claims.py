@@ -40,6 +40,12 @@ class ClaimResult:
     replication: tuple[int, ...] = ()
     """For the replication of a claim (its file's `replication:` seeds, never run for the
     original): those first seeds; () for the original."""
+    confirmatory: bool = False
+    """The claim's confirmatory run (its file's `confirmatory:` stage, at reserved seeds and
+    its own plan's looks), read apart from the exploratory runs."""
+    changed_settings: dict = field(default_factory=dict)
+    """A confirmatory run's settings that differ from its exploratory runs' (a `tuned` file,
+    say): name -> value; {} where none differs."""
     stored: bool = False
     """Its record and findings were read back from the CSVs (its runs are gone): the page
     leaves those files as they are rather than writing them again."""
@@ -52,8 +58,20 @@ class ClaimResult:
 
     @property
     def record_name(self) -> str:
-        """The per-seed CSV's file name: <claim file>.csv, <claim file>-replication.csv."""
-        return f"{self.file.stem}{'-replication' * bool(self.replication)}.csv"
+        """The per-seed CSV's file name: <claim file>.csv, <claim file>-replication.csv,
+        <claim file>-confirmatory.csv."""
+        return f"{self.file.stem}{self.stage_suffix}.csv"
+
+    @property
+    def stage_suffix(self) -> str:
+        """'', '-replication' or '-confirmatory': which run of its claim file this is."""
+        return ("-confirmatory" if self.confirmatory
+                else "-replication" if self.replication else "")
+
+    @property
+    def order(self) -> int:
+        """0 exploratory, 1 its replication, 2 confirmatory: where it sorts beside its claim."""
+        return 2 if self.confirmatory else 1 if self.replication else 0
 
 
 NOT_MEASURED = "not measured yet"

@@ -17,12 +17,17 @@ from labkit.run.rundir import RUNS_ROOT, git_commit
 
 
 def run_findings_command(args) -> int:
+    if getattr(args, "confirmatory", False) and not args.all:
+        print("error: --confirmatory runs claims' confirmatory stages: give it with --all",
+              file=sys.stderr)
+        return 2
     if args.all:
         only = None if args.only is None else [s.strip() for s in args.only.split(",")
                                                 if s.strip()]
         try:
             failed = run_claims(args.claims, args.root, smoke=args.smoke, workers=args.workers,
-                                only=only, beside=getattr(args, "beside", False))
+                                only=only, beside=getattr(args, "beside", False),
+                                confirmatory=getattr(args, "confirmatory", False))
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2

@@ -256,7 +256,9 @@ def collect(claims_dir: str | Path = CLAIMS_DIR, root: str | Path | None = None,
             results.append(result)
         if sweep.replication:
             results += _replications(file, sweep, root, records_dir)
-    return sorted(results, key=lambda r: (r.claim.get("id", 0), bool(r.replication)))
+        if sweep.confirmatory is not None:
+            results += _confirmatory(file, sweep, root, records_dir)
+    return sorted(results, key=lambda r: (r.claim.get("id", 0), r.order))
 
 
 def _facts(done: list) -> list:
@@ -360,6 +362,29 @@ def _replications(file: Path, sweep, root: Path, records_dir) -> list[ClaimResul
     return out
 
 
+def _confirmatory(file: Path, sweep, root: Path, records_dir) -> list[ClaimResult]:
+    """The claims of a file at its `confirmatory:` stage (reserved seeds, its own runs folder
+    and settings), each read at its own plan's looks; a claim whose plan changed after it was
+    frozen says so (`confirm.changed_since_frozen`)."""
+    stage = sweep.confirmatory
+    changes = {k: v for k, v in stage.parameters.items() if sweep.parameters.get(k) != v}
+    runs = plan(stage, root)
+    done = [run for run in runs if run.status == "done"]
+    facts = _facts(done)
+    records = _records(done, facts, _watches(stage))
+    out = []
+    for claim in stage.claims:
+        result = ClaimResult(file, claim, runs_done=len(done), runs_total=len(runs),
+                             records=list(records), confirmatory=True,
+                             changed_settings=changes)
+        _finish(result, done, facts, records_dir)
+        if records_dir is not None:
+            result.changed = confirm.changed_since_frozen(records_dir, file.stem, claim,
+                                                          stage.parameters, stage.grid)
+        out.append(result)
+    return out
+
+
 def selected(summary: dict, wanted: list | None) -> list[int]:
     """The numbers of a summary's findings that a claim's `findings:` picks: a number picks
     that finding, a string every finding whose question contains it; none: all of them."""
@@ -387,11 +412,14 @@ def _duration(run_path: Path) -> float:
 def run_claims(claims_dir: str | Path = CLAIMS_DIR, root: str | Path | None = None,
                smoke: bool = False, workers: int = 1,
                only: list[str] | None = None, beside: bool = False,
-               records_dir: str | Path | None = None) -> list[str]:
+               records_dir: str | Path | None = None,
+               confirmatory: bool = False) -> list[str]:
     """Run every claim's sweep, batch by batch: a claim file's first seeds under `seeds:`
     are its batches, run in order until every claim the file answers is decided by its
     preregistered plan (`claim_verdict`) or its batches are spent, then its `replication:`
-    batches, all of them. `only` names the claim
+    batches, all of them. With `confirmatory`, each file's `confirmatory:` stage instead,
+    look by look in the same way, its claims' plans frozen before its first run
+    (`confirm.freeze`); a file without one is said and left. `only` names the claim
     files to run (their stems, such as "03_group_size"); the others are left as they are.
     Every claim file is checked before the first run; finished runs are skipped, so the
     suite resumes. Returns the ids of the runs that failed."""
@@ -407,20 +435,38 @@ def run_claims(claims_dir: str | Path = CLAIMS_DIR, root: str | Path | None = No
     sweeps = [(f, load_sweep(f, smoke=smoke)) for f in files]  # every claim checked first
     failed = []
     for file, sweep in sweeps:
+        if confirmatory:
+            if sweep.confirmatory is None:
+                print(f"{file.name}: no `confirmatory:` block; left as it is", file=sys.stderr)
+                continue
+            if not smoke:
+                confirm.freeze(records_dir, file.stem, sweep.confirmatory, git_commit())
+            failed += _by_looks(file, sweep.confirmatory, claims_dir, root, smoke, workers,
+                                beside, confirmatory=True)
+            continue
         if not smoke and sweep.seeds and min(sweep.seeds) >= confirm.CONFIRM_FROM:
             confirm.freeze(records_dir, file.stem, sweep, git_commit())  # before its first run
-        for k in range(1, len(sweep.seeds) + 1):
-            runs = run_sweep(dataclasses.replace(sweep, seeds=sweep.seeds[:k]), root,
-                             workers=workers, beside=beside)
-            failed += [r.id for r in runs if r.status == "failed"]
-            answered = [r for r in collect(claims_dir, root, smoke)
-                        if r.file == file and not r.replication]
-            if all(claim_verdict(r).verdict != stats.INCONCLUSIVE for r in answered):
-                break
+        failed += _by_looks(file, sweep, claims_dir, root, smoke, workers, beside)
         if sweep.replication:  # read once, at all its seeds: every batch runs
             runs = run_sweep(dataclasses.replace(sweep, seeds=sweep.replication), root,
                              workers=workers, beside=beside)
             failed += [r.id for r in runs if r.status == "failed"]
+    return failed
+
+
+def _by_looks(file: Path, sweep, claims_dir, root: Path, smoke: bool, workers: int,
+              beside: bool, confirmatory: bool = False) -> list[str]:
+    """Run a claim file's sweep batch by batch (its first seeds) until every claim it answers
+    is decided at that stage or its batches are spent; the ids of the runs that failed."""
+    failed = []
+    for k in range(1, len(sweep.seeds) + 1):
+        runs = run_sweep(dataclasses.replace(sweep, seeds=sweep.seeds[:k]), root,
+                         workers=workers, beside=beside)
+        failed += [r.id for r in runs if r.status == "failed"]
+        answered = [r for r in collect(claims_dir, root, smoke)
+                    if r.file == file and not r.replication and r.confirmatory == confirmatory]
+        if all(claim_verdict(r).verdict != stats.INCONCLUSIVE for r in answered):
+            break
     return failed
 
 

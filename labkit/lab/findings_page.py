@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from labkit.formulas import stats
 from labkit.lab import confirm, plots
-from labkit.lab.claims import ClaimResult, claim_verdict
+from labkit.lab.claims import NOT_TESTABLE, ClaimResult, claim_verdict
 
 
 def _cell(text) -> str:
@@ -28,7 +29,10 @@ def table_rows(results: list[ClaimResult]) -> list[dict]:
     for r in results:
         head = claim_title(r)
         source, machine = r.claim.get("source", ""), "; ".join(sorted(r.machines)) or "-"
-        number = f"{r.claim.get('id', '?')}" + (" (replication)" if r.replication else "")
+        number = f"{r.claim.get('id', '?')}" + (" (replication)" if r.replication else
+                                                 " (confirmatory)" if r.confirmatory else "")
+        if not r.rows and r.confirmatory:  # not run yet: the page's table says so
+            continue
         if not r.rows:
             out.append(dict.fromkeys(COLUMNS, "") | {
                 "claim": head, "source": source, "number": number,
@@ -67,7 +71,7 @@ def glance_rows(results: list[ClaimResult]) -> list[dict]:
         kind = "confirmatory" if ranges == {"confirmatory"} and not r.changed else (
             r.changed or "exploratory")
         out.append({"claim": claim_title(r),
-                    "the article says": "(as above)" if r.replication
+                    "the article says": "(as above)" if r.replication or r.confirmatory
                     else "(as restated)" if r.claim.get("restated")
                     else r.claim["preregistered"]["article"],
                     "preregistered test": decided.test,
@@ -79,20 +83,121 @@ def glance_rows(results: list[ClaimResult]) -> list[dict]:
 
 
 def replication_lines(results: list[ClaimResult], glance: list[dict]) -> list[str]:
-    """For each replicated claim, a line saying whether the replication's verdict agrees
-    with the original's (a verdict that flips is not a finding until explained)."""
-    verdicts = {(r.file, r.claim.get("id"), bool(r.replication)): g["verdict"]
-                for r, g in zip(results, glance)}
+    """For each replicated claim, its decisive figure and a line saying whether the
+    replication's verdict agrees with the original's (a verdict that flips is not a finding
+    until explained)."""
+    rows = {(r.file, r.claim.get("id"), r.order): g for r, g in zip(results, glance)}
     out = []
     for r in results:
         if not r.replication or not r.records:
             continue
-        original = verdicts.get((r.file, r.claim.get("id"), False))
-        again = verdicts[(r.file, r.claim.get("id"), True)]
+        original = rows[(r.file, r.claim.get("id"), 0)]["verdict"]
+        row = rows[(r.file, r.claim.get("id"), 1)]
+        again = row["verdict"]
         same = "agrees with" if again == original else "differs from"
-        out.append(f"- claim {r.claim.get('id')}: the replication at fresh seeds ({again}) "
+        out.append(f"- {claim_title(r)}, exploratory: {_short(row)}; **{again}**, which "
                    f"{same} the original ({original}).")
     return ["", "Replications:", "", *out] if out else []
+
+
+def _short(row: dict) -> str:
+    """A glance row's decisive figure without its method, with its seeds: 'ppo vs grpo: 1.92
+    [1.92, 1.93]; 5 of 10 seeds'."""
+    figure = row["decisive figure [CI]"].split("; ")[0]
+    seeds = row["seeds (planned)"].split(",")[0]  # '5 (10)'
+    done, _, planned = seeds.partition(" (")
+    return f"{figure}; {done} of {planned.rstrip(')')} seeds" if planned else figure
+
+
+SIDE_BY_SIDE = ("claim", "the article says", "preregistered test", "exploratory",
+                "confirmatory", "why they differ")
+"""The page's first table: each claim's exploratory and confirmatory verdicts side by side."""
+
+DECIDED = (stats.SUPPORTED, stats.REFUTED, stats.INCONCLUSIVE, NOT_TESTABLE)
+
+
+def side_by_side(results: list[ClaimResult], glance: list[dict]) -> list[dict]:
+    """One row per claim (SIDE_BY_SIDE), its exploratory result beside its confirmatory one
+    (or 'not run yet'), and where the two verdicts differ, why (`flip_reason`); a claim
+    `restated:` elsewhere is left out (listed apart as an earlier statement)."""
+    by_key = {(r.file, r.claim.get("id"), r.order): (r, g) for r, g in zip(results, glance)}
+    out = []
+    for r, g in zip(results, glance):
+        if r.order != 0 or r.claim.get("restated"):
+            continue
+        confirmed = by_key.get((r.file, r.claim.get("id"), 2))
+        row = {"claim": claim_title(r), "the article says": g["the article says"],
+               "preregistered test": g["preregistered test"],
+               "exploratory": f"**{g['verdict']}**: {_short(g)}",
+               "exploratory verdict": g["verdict"], "confirmatory verdict": None}
+        if confirmed is None or not confirmed[0].records:
+            runs = (f" ({confirmed[0].runs_done} of {confirmed[0].runs_total} batches)"
+                    if confirmed is not None else "")
+            row |= {"confirmatory": f"not run yet{runs}", "why they differ": "-"}
+        else:
+            c, cg = confirmed
+            power = f"; 80% power: {cg['80% power: effect / seeds']}" \
+                if cg["80% power: effect / seeds"] != "-" else ""
+            row |= {"confirmatory": f"**{cg['verdict']}**: {cg['decisive figure [CI]']}"
+                                    f"{power}",
+                    "confirmatory verdict": cg["verdict"],
+                    "why they differ": flip_reason(r, g, c, cg)}
+        out.append(row)
+    return out
+
+
+def flip_reason(explored: ClaimResult, explored_row: dict, confirmed: ClaimResult,
+                confirmed_row: dict) -> str:
+    """Why a claim's confirmatory verdict differs from its exploratory one, in words: a plan
+    changed after it froze, the settings the confirmatory run changed (a tuned comparator),
+    a comparator that collapsed in one and not the other, a positive control that moved the
+    measure in one only, else a seed effect (the same plan and settings at fresh seeds);
+    'agree' where the verdicts are the same."""
+    if confirmed.changed:
+        return confirmed.changed
+    before, after = explored_row["verdict"], confirmed_row["verdict"]
+    if before == after:
+        return "agree"
+    reasons = []
+    tuned = confirmed.changed_settings.get("tuned")
+    if tuned:
+        reasons.append(f"a tuned comparator: each arm at its tuned settings ({tuned})")
+    other = {k: v for k, v in confirmed.changed_settings.items() if k != "tuned"}
+    if other:
+        reasons.append("changed settings: " + ", ".join(f"{k}={v}" for k, v in other.items()))
+    for verdict, where in ((before, "exploratory"), (after, "confirmatory")):
+        if verdict.startswith("comparator collapsed"):
+            reasons.append(f"the comparator collapsed in the {where} runs")
+        if verdict == NOT_TESTABLE:
+            reasons.append(f"the positive control did not move the measure in the {where} "
+                           "runs")
+    if not reasons:
+        reasons.append("a seed effect: the same plan and settings at fresh seeds")
+    return "; ".join(reasons)
+
+
+def summary_paragraph(pairs: list[dict]) -> str:
+    """How many claims the confirmatory runs supported, refuted, left inconclusive, found
+    not testable or found with a collapsed comparator, how many are not run yet, and which
+    verdicts changed."""
+    run = [p for p in pairs if p["confirmatory verdict"] is not None]
+    counts = {}
+    for p in run:
+        verdict = p["confirmatory verdict"]
+        kind = "comparator collapsed" if verdict.startswith("comparator collapsed") else (
+            "inconclusive" if verdict == stats.INCONCLUSIVE else verdict)
+        counts[kind] = counts.get(kind, 0) + 1
+    said = ", ".join(f"{n} {kind}" for kind, n in sorted(counts.items(),
+                                                          key=lambda kv: (-kv[1], kv[0])))
+    flips = [f"{p['claim'].split('.')[0]} ({p['exploratory verdict']} -> "
+             f"{p['confirmatory verdict']})" for p in run
+             if p["confirmatory verdict"] != p["exploratory verdict"]]
+    text = (f"Of {len(pairs)} claims, {len(run)} have a confirmatory verdict"
+            + (f": {said}" if said else "") + f"; {len(pairs) - len(run)} are not run at "
+            "confirmatory seeds yet, their exploratory verdicts standing as exploratory. ")
+    text += (f"Verdicts that changed at confirmatory seeds: {'; '.join(flips)}." if flips
+             else "No verdict changed at confirmatory seeds." if run else "")
+    return text.strip()
 
 
 def claim_title(result: ClaimResult) -> str:
@@ -103,6 +208,8 @@ def claim_title(result: ClaimResult) -> str:
         firsts = ", ".join(str(s) for s in result.replication)
         plural = "s" * (len(result.replication) > 1)
         return f"{number}, replicated at fresh seeds (first seed{plural} {firsts})"
+    if result.confirmatory:
+        return f"{number}, confirmatory"
     restated = result.claim.get("restated")
     label = f" (exploratory; restated in {restated})" if restated else ""
     return f"{number}. {result.claim.get('statement', '')}{label}"
@@ -111,7 +218,8 @@ def claim_title(result: ClaimResult) -> str:
 def figure_name(result: ClaimResult) -> str:
     """The file name of a claim's figure: <claim file>-claim-<id>.svg (two files may answer
     parts of one claim, one file several claims)."""
-    return f"{result.file.stem}-claim-{result.claim.get('id', 'x')}.svg"
+    return f"{result.file.stem}{'-confirmatory' * result.confirmatory}-claim-" \
+           f"{result.claim.get('id', 'x')}.svg"
 
 
 def write_figures(results: list[ClaimResult], folder: str | Path) -> dict[str, str]:
@@ -157,37 +265,43 @@ def render(results: list[ClaimResult], commit: str | None, smoke: bool = False,
              "`not testable here` where the measure can stay put (a length, a monitor) and "
              "neither the runs nor the claim's positive control moved it; `comparator "
              "collapsed on k of n seeds` where the arm compared against collapsed. "
-             "*Confirmatory* only at seeds from 1000 (labkit.lab.confirm), else "
-             "*exploratory*. Each claim is its own family (its looks and arms share its 5%); "
+             "Each claim is its own family (its looks and arms share its 5%); "
              "none across claims. Generated by `python -m labkit findings` from the finished runs; do not edit by "
              "hand.", "",
              f"- page generated at commit `{commit or 'unknown'}`; each claim's runs name "
              "their own below",
              f"- regenerate: `python -m labkit findings --all{flag}` runs every claim "
              "(skipping finished runs) and writes this page; `--only <file>` runs one claim "
-             "file; without `--all` the page is written from the finished runs and, for a "
+             "file; `--confirmatory` runs the confirmatory stages; without `--all` the page is written from the finished runs and, for a "
              "claim whose runs are gone, from its per-seed CSV under findings/", ""]
-    lines += ["## Claims at a glance", "",
-              "Each claim decided by its preregistered primary measure (the claim's "
-              "`preregistered:` block, `labkit.lab.preregistration`); the findings below are "
-              "the context.", "",
-              "| " + " | ".join(GLANCE) + " |", "|" + "---|" * len(GLANCE)]
     glance = glance_rows(results)
+    pairs = side_by_side(results, glance)
+    lines += ["## Claims at a glance", "", summary_paragraph(pairs), "",
+              "Each claim decided by its preregistered primary measure (the claim's "
+              "`preregistered:` block, `labkit.lab.preregistration`): *exploratory* on the "
+              "seeds its pilot used, *confirmatory* at reserved seeds from "
+              f"{confirm.CONFIRM_FROM}, under a plan frozen before their first run (the claim "
+              "file's `confirmatory:` stage, `python -m labkit findings --all "
+              "--confirmatory`). Where the two differ, the last column says why. The "
+              "findings below are the context.", "",
+              "| " + " | ".join(SIDE_BY_SIDE) + " |", "|" + "---|" * len(SIDE_BY_SIDE)]
+    for row in pairs:
+        lines.append("| " + " | ".join(_cell(row[c]) for c in SIDE_BY_SIDE) + " |")
+    lines += replication_lines(results, glance)
+    rows = {(r.file, r.claim.get("id"), r.order): (r, g) for r, g in zip(results, glance)}
     earlier = []
     for r, row in zip(results, glance):
-        if r.claim.get("restated") and not r.replication:  # listed below the table
-            earlier.append(f"- {r.claim.get('id', '?')} ({r.file.name}): {row['preregistered test']}: "
-                           f"{row['decisive figure [CI]'].split('; ')[0]}, "
-                           f"**{row['verdict']}**; restated in "
+        if r.claim.get("restated") and r.order == 0:  # listed below the table
+            c, cg = rows.get((r.file, r.claim.get("id"), 2), (None, None))
+            again = (f"; confirmatory: {_short(cg)}, **{cg['verdict']}**"
+                     if c is not None and c.records else "")
+            earlier.append(f"- {r.claim.get('id', '?')} ({r.file.name}): "
+                           f"{row['preregistered test']}: {_short(row)}, "
+                           f"**{row['verdict']}**{again}; restated in "
                            f"{str(r.claim['restated']).split(' (')[0]}")
-            continue
-        cells = [_cell(row[c]) for c in GLANCE]
-        cells[-1] = f"**{cells[-1]}**"
-        lines.append("| " + " | ".join(cells) + " |")
-    lines += replication_lines(results, glance)
     if earlier:
-        lines += ["", "Earlier statements, exploratory, each restated in the file it names "
-                      "(their findings are on their files' pages):", "", *earlier]
+        lines += ["", "Earlier statements, each restated in the file it names (their "
+                      "findings are on their files' pages):", "", *earlier]
     pages = list(dict.fromkeys(every_page(r) for r in results))
     lines += ["", "## Every finding", "",
               "Each claim's findings, the decisive one and the context, with their intervals, "
@@ -197,9 +311,10 @@ def render(results: list[ClaimResult], commit: str | None, smoke: bool = False,
     lines += ["Each claim file's page also says how to read its findings (the claims' notes) "
               "and draws each finding's effect with its interval.", ""]
     lines += ["", "## Commands and compute", ""]
-    sweeps = {r.record_name: r.elapsed_s for r in results}  # a file answering two claims ran once
+    sweeps = {r.record_name: r.elapsed_s for r in results  # a file answering two claims ran once
+              if r.runs_done}
     lines += [f"The whole suite took {sum(sweeps.values()) / 3600:.2f} h of wall time "
-              f"({len(sweeps)} sweeps, one after another, each running its training runs in "
+              f"({len(sweeps)} sweep{'s' * (len(sweeps) != 1)}, one after another, each running its training runs in "
               "parallel worker processes, on the machines named in the table).", ""]
     places = {}
     for r in results:
@@ -218,17 +333,20 @@ def render(results: list[ClaimResult], commit: str | None, smoke: bool = False,
         places = {k: ("" if w == common else w) for k, w in places.items()}
     runs: dict[tuple, list] = {}  # the claims of one file share its runs: one line for them
     for r in results:
-        runs.setdefault((r.file.stem, r.replication), []).append(r)
-    for (stem, replication), group in runs.items():
+        runs.setdefault((r.file.stem, r.order), []).append(r)
+    for (stem, order), group in runs.items():
         r = group[0]
+        if order == 2 and not r.runs_done:  # a confirmatory stage not run: the table says so
+            continue
         ids = ", ".join(dict.fromkeys(str(g.claim.get("id", "?")) for g in group))
         hours = r.compute_s / 3600
         made = (f", made at commit{'s' * (len(r.commits) > 1)} {', '.join(sorted(r.commits))}"
                 if r.commits else "")
-        again = " (replication)" if replication else ""
+        again = " (replication)" if order == 1 else " (confirmatory)" if order == 2 else ""
+        stage = " --confirmatory" if order == 2 else ""
         where = places[id(r)]
         lines.append(f"- claim{'s' * (len(group) > 1)} {ids}{again}: `python -m labkit "
-                     f"findings --all --only {stem}{flag}`; {r.runs_done} of "
+                     f"findings --all{stage} --only {stem}{flag}`; {r.runs_done} of "
                      f"{r.runs_total} batches run{made}, {hours:.2f} h of training runs' "
                      f"wall time, {r.elapsed_s / 60:.0f} min elapsed"
                      + (f", on {where}" if where else ""))

@@ -30,6 +30,10 @@ The YAML (its schema is repeated at the top of each file in experiments/):
     claims: [{id: 4, ...}, ...]  # instead of claim: several claims answered by the same runs
     replication: [100]           # claims only: first seeds of the claim's replication, the
                                  #   same runs at seeds `seeds:` never reaches (not in smoke)
+    confirmatory:                # claims only: the confirmatory run, read as its own verdict
+      seeds: [1000, 1005]        #   its looks' first seeds, all from 1000 (labkit.lab.confirm)
+      parameters: {tuned: F}     #   optional: settings it changes (a tuned comparator);
+                                 #   its runs go to <name>-confirmatory (a list: seeds alone)
     alone: true                  # the sweep times steps: it runs with no other sweep on the
                                  #   machine, and none starts beside it (labkit.lab.alone;
                                  #   --beside overrides); a claim measuring a time implies it
@@ -67,7 +71,7 @@ from labkit.lab.sweep_figure import write_comparison
 from labkit.run.rundir import RunLock
 
 KEYS = ("notebook", "name", "parameters", "grid", "seeds", "resources", "smoke", "claim",
-        "claims", "replication", "alone")
+        "claims", "replication", "confirmatory", "alone")
 RESOURCE_KEYS = ("cpus", "gpus")
 BACKENDS = ("local", "ray")
 SMOKE_KEYS = ("parameters", "grid", "seeds")
@@ -93,6 +97,11 @@ class Sweep:
     replication: list[int] = field(default_factory=list)
     """A claim's `replication:` first seeds: the same sweep again at seeds its `seeds:` never
     reach, read as the claim's replication (labkit.lab.findings); [] for none and in smoke."""
+    confirmatory: "Sweep | None" = None
+    """A claim's `confirmatory:` stage: the same claims at reserved seeds (from
+    labkit.lab.confirm.CONFIRM_FROM) with the settings it changes, run and read apart from
+    the exploratory runs (labkit.lab.findings); None where the file has none. In smoke, its
+    first look only."""
     alone: bool = False
     """`alone: true`: the sweep times steps, so it runs with no other sweep on the machine
     (labkit.lab.alone; a claim whose measure is a time does so without saying)."""
@@ -191,7 +200,34 @@ def load_sweep(path: str | Path, smoke: bool = False, to_run: bool = True) -> Sw
         both = _checked(Sweep(notebook, name, parameters, grid, [*seeds, *again]),
                         f"{where}: seeds + replication")
         checked.replication = both.seeds[len(checked.seeds):]
+    if spec.get("confirmatory") is not None:
+        if not claims:
+            raise ValueError(f"{where}: confirmatory: runs a claim; this sweep has none")
+        checked.confirmatory = _confirmatory(spec["confirmatory"], checked, where, smoke)
     return checked
+
+
+def _confirmatory(stage, base: Sweep, where: str, smoke: bool) -> Sweep:
+    """A claim file's `confirmatory:` block (a mapping of seeds and parameters, or a list of
+    seeds) as a checked sweep named <name>-confirmatory: `base` with the parameters it
+    changes, at its first seeds, each from CONFIRM_FROM."""
+    from labkit.lab.confirm import CONFIRM_FROM
+
+    stage = {"seeds": stage} if isinstance(stage, list) else stage
+    stage = _mapping(stage, f"{where}: confirmatory", ("seeds", "parameters"))
+    seeds = stage.get("seeds")
+    if (not isinstance(seeds, list) or not seeds or any(
+            isinstance(s, bool) or not isinstance(s, int) or s < CONFIRM_FROM for s in seeds)):
+        raise ValueError(f"{where}: confirmatory.seeds must be a list of first seeds, each "
+                         f"from {CONFIRM_FROM} (the confirmatory range, "
+                         f"labkit.lab.confirm.CONFIRM_FROM), got {seeds!r}")
+    over = dict(_mapping(stage.get("parameters") or {}, f"{where}: confirmatory.parameters"))
+    parameters = {**base.parameters, **over}
+    grid = {k: v for k, v in base.grid.items() if k not in over}
+    out = _checked(Sweep(base.notebook, f"{base.name}-confirmatory", parameters, grid,
+                         seeds[:1] if smoke else seeds), f"{where}: confirmatory")
+    out.claims, out.resources, out.alone = base.claims, base.resources, base.alone
+    return out
 
 
 def _resources(spec, where: str) -> dict:
