@@ -111,3 +111,91 @@ def test_a_plan_edited_after_its_first_confirmatory_run_reads_exploratory(tmp_pa
                                      "confirmatory run (frozen ")
     assert "\n" not in result.changed
     assert glance_rows([result])[0]["seeds (planned)"].endswith(result.changed)
+
+
+def test_the_page_sets_each_claims_confirmatory_verdict_beside_its_exploratory_one():
+    """One row per claim: the exploratory verdict, the confirmatory one with its figure, and
+    where they differ the reason read from what changed (a tuned comparator's file, else a
+    seed effect); the paragraph above counts the confirmatory verdicts and names the flips."""
+    from pathlib import Path
+
+    from labkit.lab.claims import ClaimResult
+    from labkit.lab.findings_page import glance_rows, side_by_side, summary_paragraph
+
+    claim = {"id": 6, "statement": "b learns more than a", "preregistered": {
+        "article": "the article's words", "seeds": 5, "measure": "gain",
+        "compare": ["b", "a"], "direction": "above", "threshold": 0}}
+
+    def records(first: int, lift: float) -> list[dict]:
+        return [{"sweep_run": "x", "arm": arm, "seed": first + s,
+                 "gain": 0.1 * s + d + 0.003 * (s % 3) * (arm == "b"),
+                 "accuracy_after": 0.5, "eval_n": 10**6}
+                for arm, d in (("a", 0.0), ("b", lift)) for s in range(5)]
+
+    explored = ClaimResult(Path("06.yaml"), claim, records=records(0, 0.05))
+    same = ClaimResult(Path("06.yaml"), claim, records=records(1000, 0.05), confirmatory=True)
+    flat = ClaimResult(Path("06.yaml"), claim, records=records(1000, 0.0), confirmatory=True)
+    tuned = ClaimResult(Path("06.yaml"), claim, records=records(1000, 0.0), confirmatory=True,
+                        changed_settings={"tuned": "t.json"})
+
+    def row(*results):
+        return side_by_side(list(results), glance_rows(list(results)))
+
+    (agree,) = row(explored, same)
+    assert agree["exploratory"].startswith("**supported**: b vs a: 5.")
+    assert agree["confirmatory"].startswith("**supported**: b vs a: 5.")
+    assert "look 1 of 1" in agree["confirmatory"] and agree["why they differ"] == "agree"
+    (seed,) = row(explored, flat)
+    assert seed["confirmatory verdict"] != "supported"
+    assert seed["why they differ"].startswith("a seed effect: the same plan and settings")
+    (comparator,) = row(explored, tuned)
+    assert comparator["why they differ"].startswith("a tuned comparator: each arm at its "
+                                                    "tuned settings (t.json)")
+    (waiting,) = row(explored)
+    assert waiting["confirmatory"] == "not run yet" and waiting["why they differ"] == "-"
+    text = summary_paragraph([agree, seed, waiting])
+    assert text.startswith("Of 3 claims, 2 have a confirmatory verdict: 1 inconclusive, "
+                           "1 supported; 1 is not run at confirmatory seeds yet")
+    assert "Verdicts that changed at confirmatory seeds: 6 (supported -> " in text
+
+
+def test_every_shipped_confirmatory_record_is_fresh_data():
+    """Each claim file with a `confirmatory:` stage ships its per-seed record, every seed in
+    the reserved range, and no run in it repeats a configuration an exploratory or tuning
+    record holds (by fingerprint); its plan was frozen, with the commit, before it ran."""
+    import csv
+    import json
+    from pathlib import Path
+
+    from labkit.lab.sweeps import load_sweep
+
+    repo = Path(__file__).resolve().parents[1]
+    shipped = repo / "docs" / "findings"
+    staged = [f for f in sorted((repo / "experiments" / "claims").glob("*.yaml"))
+              if load_sweep(f, to_run=False).confirmatory is not None]
+    assert staged
+    earlier = {}
+    for path in shipped.glob("*.csv"):
+        if "-confirmatory" in path.name or path.name.endswith("-findings.csv"):
+            continue
+        with path.open(newline="") as f:
+            earlier |= {row["fingerprint"]: path.name for row in csv.DictReader(f)
+                        if row.get("fingerprint")}
+    assert earlier  # the exploratory records carry fingerprints to compare with
+    for file in staged:
+        record = shipped / f"{file.stem}-confirmatory.csv"
+        assert record.is_file(), f"{file.name} has a confirmatory stage but no {record.name}"
+        with record.open(newline="") as f:
+            rows = list(csv.DictReader(f))
+        assert rows, record.name
+        assert all(int(r["seed"]) >= confirm.CONFIRM_FROM for r in rows), record.name
+        prints = [r["fingerprint"] for r in rows]
+        assert all(prints) and len(set(prints)) == len(prints), record.name
+        repeats = [p for p in prints if p in earlier]
+        assert not repeats, f"{record.name} repeats {earlier[repeats[0]]}" if repeats else ""
+        plans = json.loads(confirm.plan_path(shipped, file.stem).read_text())
+        ids = {str(c.get("id")) for c in load_sweep(file, to_run=False).claims}
+        assert ids <= set(plans) and all(plans[i]["first_seed"] >= confirm.CONFIRM_FROM
+                                         for i in ids), file.name
+    stages = {f"{f.stem}-confirmatory.csv" for f in staged}
+    assert {p.name for p in shipped.glob("*-confirmatory.csv")} == stages

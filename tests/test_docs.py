@@ -22,6 +22,21 @@ PLACEHOLDERS = {"<run>": "RUN", "--seed S": "--seed 0", "--lr LR": "--lr 1e-3"}
 COMMAND = re.compile(r"python -m labkit (train|run|sweep|bench|eval)\b([^#\n]*)")
 PATH = re.compile(r"(?<![\w./])((?:labkit|notebooks|experiments|tests)/[\w./-]*\w|\.ci/run)")
 NAME = re.compile(r"`(labkit(?:\.\w+)+)")
+READERS = {"~/models/Qwen2.5-0.5B-Instruct": "model", "~/data/gsm8k_test.jsonl": "gsm8k"}
+"""Paths on the reader's machine the docs' commands name: a stand-in of each is made."""
+
+
+@pytest.fixture(scope="module")
+def stand_ins(tmp_path_factory):
+    """A saved causal LM folder and a GSM8K file, for the paths of READERS."""
+    import json
+
+    from model_folders import save_random
+
+    root = tmp_path_factory.mktemp("reader")
+    gsm8k = root / "gsm8k_test.jsonl"
+    gsm8k.write_text(json.dumps({"question": "1+1?", "answer": "1+1=2\n#### 2"}) + "\n")
+    return {"model": str(save_random(root / "model")), "gsm8k": str(gsm8k)}
 
 
 def bash_lines(doc: Path) -> list[str]:
@@ -65,7 +80,7 @@ def test_the_docs_hold_the_commands_they_promise():
 
 @pytest.mark.parametrize("doc, argv", commands(), ids=lambda x: " ".join(x)[:60]
                          if isinstance(x, list) else x)
-def test_documented_command_parses(doc, argv):
+def test_documented_command_parses(doc, argv, request):
     if "--help" in argv:
         with pytest.raises(SystemExit) as done:
             parsed(argv)
@@ -76,7 +91,15 @@ def test_documented_command_parses(doc, argv):
         TrainConfig(**cli.config_fields([(name, getattr(args, name)) for name in field_types()
                                          if getattr(args, name) is not None], cli.option))
     elif args.command == "run":
-        check_parameters(ROOT / args.notebook, dict(args.parameters))
+        given = dict(args.parameters)
+        if set(given.values()) & set(READERS):
+            made = request.getfixturevalue("stand_ins")
+            given = {k: made[READERS[v]] if v in READERS else v for k, v in given.items()}
+        import torch
+
+        if given.get("device", "").startswith("cuda") and not torch.cuda.is_available():
+            given.pop("device")  # a GPU command, read here without its device
+        check_parameters(ROOT / args.notebook, given)
     elif args.command == "sweep":
         load_sweep(ROOT / args.experiment, smoke=args.smoke)
 

@@ -20,6 +20,7 @@ DEFERRED = {
     ("labkit.model.rollout", "labkit.fast"): "fast path",
     ("labkit.model.scoring", "labkit.fast"): "fast path",
     ("labkit.model.learner", "labkit.fast.allocator"): "fast path",
+    ("labkit.model.learner", "labkit.fast.support"): "fast path",
     ("labkit.bench.report", "labkit.fast.kernels"): "fast path",
     ("labkit.bench.floor", "labkit.fast.kernels"): "fast path",
     ("labkit.bench.timing", "labkit.fast.decoder"): "fast path",

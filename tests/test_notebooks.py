@@ -38,6 +38,13 @@ REQUIRED = {
     "06_learns_to_think": {"run_dir", "seed", "algo", "steps", "batch_prompts", "group_size",
                            "critic_steps", "look_prompts", "look_samples"},
 }
+ON_MODEL = {"model", "task", "gsm8k_path", "dataset_path", "code_path", "device", "dtype",
+            "profile", "extra"}
+"""What points a training notebook at your model, task and device (labkit.lab.model_params)."""
+for _stem in ("01_grpo_vs_ppo", "02_group_size_sweep", "03_advantage_variance_live", "05_arms",
+              "06_learns_to_think"):
+    REQUIRED[_stem] = REQUIRED[_stem] | ON_MODEL
+REQUIRED["00_building_blocks"] = REQUIRED["00_building_blocks"] | {"model"}
 TYPES = {"int": int, "float": float, "str": str, "bool": bool}
 
 

@@ -11,7 +11,7 @@ processes), `blocks` (notebook 00's single-group helpers), `summaries` (rows, se
 outputs), `verdicts` (intervals over seeds and verdicts), `questions` (notebook 05's
 collapse, monitor and diagnostics questions), `widgets` (notebook 03's
 controls), `plots` (figures), `live` (notebook 03's live figure), `think` (notebook 06's),
-`runner` and `sweeps`
+`model_params` (lab.on_model: the parameters that point a notebook at your model, task and device), `runner` and `sweeps`
 (papermill runs of notebooks).
 """
 
@@ -23,6 +23,8 @@ from labkit.lab.experiments import (BUDGETS, DEFAULT_ARMS, NOTEBOOK_DEFAULTS, ba
                                     live_training, parse_arms, parse_fields, parse_list,
                                     project_root, resolve_run_dir, run_all, run_config, seed_list,
                                     setup)
+from labkit.lab.model_params import PROFILES
+from labkit.lab.model_params import fields as on_model
 from labkit.lab.questions import (MONITORS, QUESTIONS, answer, diagnostic_findings, factor_findings,
                                   informative_findings, monitor_findings, parse_monitors)
 from labkit.lab.summaries import (arms_table, describe, describe_diagnostics, describe_sweep,
@@ -33,7 +35,7 @@ from labkit.lab.verdicts import (Finding, algo_findings, arm_findings, arm_rows,
 from labkit.lab.tuning import apply_tuned, read_tuned
 from labkit.lab.widgets import live_controls
 
-__all__ = ["parse_monitors", "read_tuned", "apply_tuned", "BUDGETS", "DEFAULT_ARMS", "MONITORS", "NOTEBOOK_DEFAULTS", "QUESTIONS", "Finding",
+__all__ = ["on_model", "PROFILES", "parse_monitors", "read_tuned", "apply_tuned", "BUDGETS", "DEFAULT_ARMS", "MONITORS", "NOTEBOOK_DEFAULTS", "QUESTIONS", "Finding",
            "answer", "arms_table", "arm_findings", "arm_rows", "diagnostic_findings", "factor_findings",
            "monitor_findings", "parse_fields", "informative_findings", "informative_prediction",
            "batch_prompts_for", "compare", "first_and_last_rollouts", "compare_arms", "describe", "describe_diagnostics", "describe_findings",

@@ -193,7 +193,8 @@ def summary_paragraph(pairs: list[dict]) -> str:
              f"{p['confirmatory verdict']})" for p in run
              if p["confirmatory verdict"] != p["exploratory verdict"]]
     text = (f"Of {len(pairs)} claims, {len(run)} have a confirmatory verdict"
-            + (f": {said}" if said else "") + f"; {len(pairs) - len(run)} are not run at "
+            + (f": {said}" if said else "") + f"; {len(pairs) - len(run)} "
+            f"{'is' if len(pairs) - len(run) == 1 else 'are'} not run at "
             "confirmatory seeds yet, their exploratory verdicts standing as exploratory. ")
     text += (f"Verdicts that changed at confirmatory seeds: {'; '.join(flips)}." if flips
              else "No verdict changed at confirmatory seeds." if run else "")

@@ -19,22 +19,21 @@ the same run by hand and run here; notebooks should write only under `run_dir`.
 
 from __future__ import annotations
 
-import ast
 import json
 import math
 import re
-from dataclasses import dataclass
 from pathlib import Path
 
+from labkit.lab.cells import (PARAM_TYPES, RUNNER_OWNED, Param, notebook_parameters,  # noqa: F401
+                               papermill_view, parameters_source, read_notebook,
+                               read_parameter, unknown_names)
+from labkit.lab import model_params
 from labkit.lab.progress import NotebookProgress
 from labkit.lab.report import write_reports
 from labkit.run.rundir import RUNS_ROOT, claim_run_dir, new_run_dir
 from labkit.settings.config import TrainConfig, field_types
-from labkit.settings.fields import parse, parse_field
 from labkit.settings.preflight import preflight
 
-PARAM_TYPES = {"int": int, "float": float, "str": str, "bool": bool}
-RUNNER_OWNED = "run_dir"
 KERNEL = "python3"
 OUTPUT_NOTEBOOK = "notebook.ipynb"
 PARAMETERS_FILE = "parameters.json"
@@ -48,120 +47,12 @@ is a port taken between the kernel manager choosing it and the kernel binding it
 KERNEL_DIED_AT_START = "Kernel died before replying to kernel_info"
 
 
-@dataclass(frozen=True)
-class Param:
-    """One line of a parameters cell: `name: type = default  # comment`."""
-
-    type: type
-    default: int | float | str | bool
-    comment: str
-
-
 class RunFailed(RuntimeError):
     """A notebook run that did not finish; the message is one line naming the cell."""
 
     def __init__(self, message: str, run_dir: Path):
         super().__init__(message)
         self.run_dir = run_dir
-
-
-# --- the parameters cell ---------------------------------------------------------------------
-
-def read_notebook(path: str | Path):
-    import nbformat
-
-    path = Path(path)
-    if path.suffix != ".ipynb":
-        raise ValueError(f"{path} is not a notebook (.ipynb)")
-    if not path.is_file():
-        raise FileNotFoundError(f"no notebook at {path}")
-    try:
-        return nbformat.read(path, as_version=4)
-    except Exception as e:  # nbformat raises several unrelated types for a broken file
-        raise ValueError(f"{path} is not a readable notebook: {e}") from None
-
-
-def parameters_source(path: str | Path) -> str:
-    """The source of the notebook's one code cell tagged `parameters`."""
-    cells = [c for c in read_notebook(path).cells
-             if "parameters" in c.get("metadata", {}).get("tags", [])]
-    if len(cells) != 1 or cells[0].cell_type != "code":
-        found = f"{len(cells)} cells" if len(cells) != 1 else "a markdown cell"
-        raise ValueError(f"{Path(path).name} needs exactly one code cell tagged 'parameters', "
-                         f"found {found}")
-    return cells[0].source
-
-
-def notebook_parameters(path: str | Path) -> dict[str, Param]:
-    """Name -> Param of the parameters cell, whose every statement must be a typed literal,
-    `name: type = literal  # comment` with type int, float, str or bool."""
-    name = Path(path).name
-    source = parameters_source(path)
-    try:
-        tree = ast.parse(source)
-    except SyntaxError as e:
-        raise ValueError(f"{name}: the parameters cell is not valid Python ({e.msg}, "
-                         f"line {e.lineno})") from None
-    lines = source.splitlines()
-    found: dict[str, Param] = {}
-    for node in tree.body:
-        where = f"{name}: parameters cell line {node.lineno}"
-        if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
-                and node.value is not None):
-            raise ValueError(f"{where} is not `name: type = literal  # comment`: "
-                             f"{ast.unparse(node)[:60]!r}")
-        key = node.target.id
-        kind = node.annotation.id if isinstance(node.annotation, ast.Name) else None
-        if kind not in PARAM_TYPES:
-            raise ValueError(f"{where}: {key} has type {ast.unparse(node.annotation)!r}; "
-                             f"a parameter is one of {', '.join(PARAM_TYPES)}")
-        try:
-            value = ast.literal_eval(node.value)
-        except ValueError:
-            raise ValueError(f"{where}: {key} = {ast.unparse(node.value)[:60]} is not a literal"
-                             ) from None
-        if key in found:
-            raise ValueError(f"{where}: {key} is defined twice")
-        last = lines[node.end_lineno - 1].encode()[node.end_col_offset:].decode().strip()
-        if isinstance(value, str) and PARAM_TYPES[kind] is not str:
-            raise ValueError(f"{where}: {key} is {kind}, got {value!r} (str)")
-        found[key] = Param(PARAM_TYPES[kind], read_parameter(key, value, PARAM_TYPES[kind], name),
-                           last.lstrip("#").strip() if last.startswith("#") else "")
-    return found
-
-
-def papermill_view(path: str | Path) -> None:
-    """Raise ValueError unless `papermill --help-notebook` lists every parameter with its type:
-    papermill reads the cell with a regex and skips a line holding more than one '=' (in the
-    value or the comment: '>=', 'a=b')."""
-    from papermill.translators import PythonTranslator
-
-    seen = {p.name: p.inferred_type_name
-            for p in PythonTranslator.inspect({"source": parameters_source(path)})}
-    missed = [f"{key} ({param.type.__name__})" for key, param in notebook_parameters(path).items()
-              if seen.get(key) != param.type.__name__]
-    if missed:
-        raise ValueError(f"{Path(path).name}: papermill --help-notebook does not list "
-                         f"{', '.join(missed)}; keep each on one line with a single '=' "
-                         "(none in the value or the comment)")
-
-
-def read_parameter(name: str, value, kind: type, notebook: str | Path = ""):
-    """A parameter's value, as text (`run -p`) or as YAML gives it (a sweep), read as the
-    declared type `kind` by `labkit.settings.fields.parse`, the reader of every entry point; a
-    parameter named and typed like a `TrainConfig` field is read as that field (`lr` takes
-    `none`, `estimator` its choice `none`). ValueError names the parameter and the notebook."""
-    who = f"parameter {name}" + (f" of {Path(notebook).name}" if notebook else "")
-    if name != RUNNER_OWNED and field_types().get(name) is kind:
-        return parse_field(TrainConfig, name, value, who)
-    return parse(value, kind, who)
-
-
-def unknown_names(notebook: str | Path, names, params: dict[str, Param]) -> None:
-    unknown = [n for n in names if n not in params]
-    if unknown:
-        raise ValueError(f"{Path(notebook).name} has no parameter {', '.join(unknown)}; its "
-                         f"parameters are {', '.join(params)}")
 
 
 def check_parameters(path: str | Path, given: dict[str, str]) -> dict:
@@ -175,14 +66,20 @@ def check_parameters(path: str | Path, given: dict[str, str]) -> dict:
     return values
 
 
+ON_MODEL = ("model", "task", "gsm8k_path", "dataset_path", "code_path", "device")
+"""Parameters named like TrainConfig fields that a notebook reads through
+labkit.lab.model_params ('' for the field's default), not as the fields themselves."""
+
+
 def config_values(params: dict[str, Param], values: dict) -> dict:
     """The notebook's values (its defaults overlaid with `values`) of the parameters named
     and typed like a `TrainConfig` field, but `run_dir`: those its TrainConfig receives."""
     types = field_types()
     merged = {key: param.default for key, param in params.items()} | values
+    # model, task and the other parameters labkit.lab.model_params reads: '' leaves the field
     return {key: value for key, value in merged.items()
             if key != RUNNER_OWNED and key in types and key in params
-            and types[key] is params[key].type}
+            and types[key] is params[key].type and key not in ON_MODEL}
 
 
 def check_config_rules(notebook: str | Path, params: dict[str, Param], values: dict) -> None:
@@ -191,12 +88,16 @@ def check_config_rules(notebook: str | Path, params: dict[str, Param], values: d
     rules, checked here with the notebook's other such values (its defaults overlaid with
     `values`) before any kernel starts or model loads. ValueError names the parameter."""
     shared = config_values(params, values)
-    if not shared or not set(values) & set(shared):
+    merged = {key: param.default for key, param in params.items()} | values
+    where = {k: merged[k] for k in model_params.WHERE if isinstance(merged.get(k), str)}
+    if not shared or not set(values) & (set(shared) | set(where)):
         return
     try:
-        preflight(TrainConfig(**shared))
+        # as the notebook will read them: a profile, the model and task, dtype and extra
+        preflight(TrainConfig(**model_params.fields(Path(notebook).stem, shared, check=False,
+                                                say=False, **where)))
     except ValueError as e:
-        given = ", ".join(f"{k}={values[k]!r}" for k in values if k in shared)
+        given = ", ".join(f"{k}={values[k]!r}" for k in values if k in shared or k in where)
         raise ValueError(f"{Path(notebook).name} with {given}: {e}") from None
 
 

@@ -63,7 +63,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from labkit.lab import alone, preregistration
+from labkit.lab import alone, confirm, preregistration
 from labkit.lab.runner import (PARAMETERS_FILE, RUNNER_OWNED, RunFailed, check_config_rules,
                                execute, is_number, notebook_parameters, read_parameter,
                                read_summary, unknown_names)
@@ -210,16 +210,14 @@ def load_sweep(path: str | Path, smoke: bool = False, to_run: bool = True) -> Sw
 def _confirmatory(stage, base: Sweep, where: str, smoke: bool) -> Sweep:
     """A claim file's `confirmatory:` block (a mapping of seeds and parameters, or a list of
     seeds) as a checked sweep named <name>-confirmatory: `base` with the parameters it
-    changes, at its first seeds, each from CONFIRM_FROM."""
-    from labkit.lab.confirm import CONFIRM_FROM
-
+    changes, at its first seeds, each from confirm.CONFIRM_FROM."""
     stage = {"seeds": stage} if isinstance(stage, list) else stage
     stage = _mapping(stage, f"{where}: confirmatory", ("seeds", "parameters"))
     seeds = stage.get("seeds")
     if (not isinstance(seeds, list) or not seeds or any(
-            isinstance(s, bool) or not isinstance(s, int) or s < CONFIRM_FROM for s in seeds)):
+            isinstance(s, bool) or not isinstance(s, int) or s < confirm.CONFIRM_FROM for s in seeds)):
         raise ValueError(f"{where}: confirmatory.seeds must be a list of first seeds, each "
-                         f"from {CONFIRM_FROM} (the confirmatory range, "
+                         f"from {confirm.CONFIRM_FROM} (the confirmatory range, "
                          f"labkit.lab.confirm.CONFIRM_FROM), got {seeds!r}")
     over = dict(_mapping(stage.get("parameters") or {}, f"{where}: confirmatory.parameters"))
     parameters = {**base.parameters, **over}

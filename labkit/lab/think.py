@@ -85,7 +85,8 @@ class LivePlot:
 def train_live(live: LivePlot, *, run_dir: str | Path, algo: str = "grpo", seed: int = 0,
                **overrides) -> dict[str, RunResult]:
     """One run on task=think reporting every step to `live`. Writes `run_dir/<algo>/`."""
-    config = run_config(Path(run_dir) / algo, task="think", algo=algo, seed=seed, **overrides)
+    config = run_config(Path(run_dir) / algo, algo=algo, seed=seed,
+                        **{"task": "think", **overrides})
     return {algo: train(config, callbacks=[live])}
 
 
@@ -95,8 +96,8 @@ def look_at_ppo(*, run_dir: str | Path, seed: int = 0, prompts: int = 8, samples
     look through the credit microscope at its first `prompts` held-out problems, `samples`
     continuations per prefix; returns the run, the look and the tokenizer. Writes
     `run_dir/ppo-critic/`."""
-    config = run_config(Path(run_dir) / "ppo-critic", task="think", algo="ppo", seed=seed,
-                        **overrides)
+    config = run_config(Path(run_dir) / "ppo-critic", algo="ppo", seed=seed,
+                        **{"task": "think", **overrides})
     result = train(config)
     trainer, _ = Trainer.from_run(result.run_dir)
     found = look(trainer, trainer.problems.eval[:prompts], samples=samples, seed=seed)

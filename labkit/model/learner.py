@@ -5,6 +5,7 @@ state. `labkit.trainer` builds one per run and steps it."""
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -227,6 +228,17 @@ def check_full_kl_memory(config: TrainConfig, vocab: int) -> None:
             "sampled estimator (k3, k2, k1) or fewer rows or tokens")
 
 
+def say_slow_path(model: str, policy) -> None:
+    """One line on stderr where `policy` falls off labkit.fast's passes (an architecture or
+    setting they do not run, such as Mistral's sliding window): its own forward runs."""
+    from labkit.fast.support import unsupported
+
+    reason = unsupported(policy)
+    if reason is not None:
+        print(f"note: model={model!r} runs its own forward, not labkit.fast's: {reason} "
+              "(the same numbers, more time per call)", file=sys.stderr)
+
+
 def build_learner(config: TrainConfig, accelerator):
     """Policy (+ frozen reference when beta > 0 or for DPO, + a critic when the estimator reads its
     values: PPO's gae), optimizers, schedules."""
@@ -236,6 +248,10 @@ def build_learner(config: TrainConfig, accelerator):
 
         keep_freed_memory()
     policy, tokenizer = load(config.model, device=accelerator.device, dtype="fp32")
+    if not config.chat_template:  # every prompt site reads the tokenizer's template
+        tokenizer.chat_template = None
+    if config.fast and config.model is not None:
+        say_slow_path(config.model, policy)
     reference = None
     if config.beta > 0 and config.kl_estimator == "full":
         check_full_kl_memory(config, policy.get_output_embeddings().weight.shape[0])

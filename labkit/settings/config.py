@@ -39,6 +39,9 @@ class TrainConfig:
     (labkit.rft). All four sample B x G completions a step."""
     model: str | None = None
     """Local model folder or hub id; None is the embedded tiny model."""
+    chat_template: bool = True
+    """Feed prompts through the tokenizer's chat template where it has one (an instruct
+    model's); False feeds the raw prompt text, as to a base model."""
     task: Literal["arithmetic", "think", "dataset", "gsm8k", "code"] = "arithmetic"
     """Problem source: procedural arithmetic; think, the arithmetic on which how much to
     write is the policy's choice (sums of 2 to 5 one-digit numbers; with model=None the

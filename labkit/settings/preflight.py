@@ -24,8 +24,18 @@ def preflight(config: TrainConfig) -> None:
             or config.model.count("/") > 1 or "\\" in config.model
         if looks_local and not (path / "config.json").is_file():
             raise ValueError(f"model={config.model!r}: no saved model there (no config.json)")
-    if config.task == "gsm8k" and not Path(config.gsm8k_path).expanduser().is_file():
-        raise ValueError(f"gsm8k_path={config.gsm8k_path!r} is not a file")
+        if looks_local:
+            _check_causal_lm(config.model, path / "config.json")
+    if config.task == "gsm8k":
+        if not Path(config.gsm8k_path).expanduser().is_file():
+            raise ValueError(f"gsm8k_path={config.gsm8k_path!r} is not a file")
+        # GSM8K's own columns: the question, and the answer that ends '#### <number>'
+        rows = read_rows(config.gsm8k_path)
+        missing = [c for c in ("question", "answer") if not rows or c not in rows[0]]
+        if missing:
+            raise ValueError(f"gsm8k_path={config.gsm8k_path!r}: a GSM8K file has question and "
+                             f"answer columns; this one lacks {' and '.join(missing)} (its "
+                             f"columns: {', '.join(rows[0]) if rows else 'none, no rows'})")
     if config.task == "dataset":
         # the file read and its columns checked before the model loads
         if not Path(config.dataset_path).expanduser().is_file():
@@ -54,6 +64,23 @@ def preflight(config: TrainConfig) -> None:
             require_peft()
         except ImportError as e:
             raise ValueError(str(e)) from None
+
+
+def _check_causal_lm(model: str, config_file: Path) -> None:
+    """That a model folder's config.json names an architecture transformers loads as a causal
+    LM (AutoModelForCausalLM's model types); ValueError naming `model` otherwise."""
+    import json
+
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    try:
+        kind = json.loads(config_file.read_text(encoding="utf-8")).get("model_type")
+    except (OSError, ValueError) as e:
+        raise ValueError(f"model={model!r}: its config.json cannot be read ({e})") from None
+    if kind not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ValueError(f"model={model!r}: its config.json names model_type {kind!r}, not a "
+                         "causal LM (transformers' AutoModelForCausalLM takes llama, qwen2, "
+                         "mistral, gpt2, ...)")
 
 
 def _check_device(device: str) -> None:
