@@ -199,3 +199,21 @@ def test_every_shipped_confirmatory_record_is_fresh_data():
                                          for i in ids), file.name
     stages = {f"{f.stem}-confirmatory.csv" for f in staged}
     assert {p.name for p in shipped.glob("*-confirmatory.csv")} == stages
+
+
+def test_a_field_added_later_leaves_the_recorded_fingerprints_as_they_were():
+    """chat_template came after the per-seed records: at its earlier value (True) a config's
+    fingerprint is the one its run recorded without the field; set otherwise, it differs."""
+    import dataclasses
+    import hashlib
+    import json
+
+    from labkit.settings.config import TrainConfig
+
+    config = TrainConfig(seed=1003, algo="ppo", lr=5e-4)
+    values = {k: v for k, v in config.to_dict().items()
+              if k not in confirm.NOT_FINGERPRINTED and k != "chat_template"}
+    before = hashlib.sha256(json.dumps(values, sort_keys=True, default=str).encode()
+                            ).hexdigest()[:16]
+    assert confirm.fingerprint(config) == before
+    assert confirm.fingerprint(dataclasses.replace(config, chat_template=False)) != before

@@ -27,10 +27,17 @@ NOT_FINGERPRINTED = ("run_dir", "progress", "report_to")
 """Fields that say where a run writes and how it is shown, not what it computes."""
 
 
+ADDED_LATER = {"chat_template": True}
+"""Fields added after fingerprints were first recorded, with the value every earlier run had:
+a config at that value leaves the field out, so its fingerprint is the one an earlier run of
+the same settings recorded."""
+
+
 def fingerprint(config) -> str:
-    """16 hex digits of the SHA-256 of a TrainConfig's fields (`NOT_FINGERPRINTED` left out),
-    in a canonical JSON."""
-    values = {k: v for k, v in config.to_dict().items() if k not in NOT_FINGERPRINTED}
+    """16 hex digits of the SHA-256 of a TrainConfig's fields (`NOT_FINGERPRINTED` left out,
+    and an `ADDED_LATER` field at its earlier value), in a canonical JSON."""
+    values = {k: v for k, v in config.to_dict().items() if k not in NOT_FINGERPRINTED
+              and not (k in ADDED_LATER and v == ADDED_LATER[k])}
     text = json.dumps(values, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
