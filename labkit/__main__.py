@@ -314,8 +314,9 @@ def _findings_parser(sub) -> None:
                                      "summaries of its finished runs, and write the findings "
                                      "page: each claim's effect, 95% interval, seeds and "
                                      "verdict.")
-    cmd.add_argument("--out", default="docs/findings.md", help="the page to write "
-                                                               "(default: docs/findings.md)")
+    cmd.add_argument("--out", default=None, help="the page to write (default: "
+                                                 "docs/findings.md; with --set, findings.md "
+                                                 "in the runs root)")
     cmd.add_argument("--claims", default="experiments/claims",
                      help="folder of claim YAML files (default: experiments/claims)")
     cmd.add_argument("--root", default=None, help="runs root (default: experiments/runs)")
@@ -331,6 +332,11 @@ def _findings_parser(sub) -> None:
     cmd.add_argument("--beside", action="store_true",
                      help="with --all: run claim sweeps beside other sweeps even where they "
                           "time steps (by default a timing sweep runs alone)")
+    cmd.add_argument("--set", action="append", default=None, metavar="FIELD=VALUE",
+                     help="re-point every claim at this TrainConfig field (or dtype, profile), "
+                          "such as model=DIR, task=gsm8k, gsm8k_path=F: runs under "
+                          "experiments/runs/on-<model>-<task>/ and a page there, the project's "
+                          "untouched; a claim that cannot run there is listed with the reason")
     cmd.add_argument("--confirmatory", action="store_true",
                      help="with --all: run each claim file's `confirmatory:` stage (reserved "
                           "seeds, its plan frozen first) instead of its exploratory runs")

@@ -204,3 +204,42 @@ def test_a_model_off_the_fast_path_says_so_in_one_line(folders, capsys):
         assert bool(err) == slow
     assert "runs its own forward, not labkit.fast's: model_type 'gpt2'" in err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_the_claims_run_on_a_model_folder_on_a_page_of_their_own(folders, tmp_path):
+    """findings --all --set model=DIR --set task=gsm8k ... (smoke sizes): the claims run on
+    that folder into a runs root of their own and a page titled with the model and task; a
+    claim about the think task, or one whose settings are the arithmetic's, is listed with
+    its reason; the project's own page is untouched."""
+    gsm8k = tmp_path / "gsm8k.jsonl"
+    gsm8k.write_text("".join(json.dumps({"question": f"What is {a} plus {a + 3}?",
+                                         "answer": f"{a}+{a + 3}={2 * a + 3}\n#### {2 * a + 3}"})
+                             + "\n" for a in range(40)))
+    page = REPO / "docs" / "findings.md"
+    before = page.read_text()
+    root = tmp_path / "runs"
+    assert main(["findings", "--all", "--smoke", "--only", "06_reward_accuracy,11_think",
+                 "--set", f"model={folders['qwen2']}", "--set", "task=gsm8k",
+                 "--set", f"gsm8k_path={gsm8k}", "--root", str(root), "--no-figures"]) == 0
+    assert page.read_text() == before
+    text = (root / "findings.md").read_text()
+    assert text.startswith(f"# Findings on model {folders['qwen2']}, task gsm8k\n")
+    rows = {line.split(".")[0].lstrip("| "): line for line in
+            text.split("## Every finding")[0].splitlines() if line.startswith("| ") and
+            line[2].isdigit()}
+    assert "not measured yet" not in rows["6"] and "**not run here**" not in rows["6"]
+    for claim in ("11", "12", "13"):
+        assert "**not run here**: its runs set task=think themselves" in rows[claim]
+    assert "**not run here**: its own settings do not hold there: scratchpad=True is for " \
+           "task='arithmetic'" in text  # 05_length_and_shaping's earlier statements
+    configs = [json.loads(p.read_text())["config"] for p in root.rglob("config.json")
+               if "config" in json.loads(p.read_text())]
+    assert configs and {c["model"] for c in configs} == {str(folders["qwen2"])}
+    assert {c["task"] for c in configs} == {"gsm8k"}
+    assert main(["findings", "--set", "nonsense"]) == 2  # FIELD=VALUE of a field
+    on = f"model={folders['qwen2']}, task=gsm8k, gsm8k_path={gsm8k}"  # notebook 04 reads them
+    read = run_notebook(REPO / "notebooks" / "04_claims.ipynb",
+                        {"on": on, "runs_root": str(root), "smoke": "true",
+                         "run_dir": str(tmp_path / "04")}, progress=False)
+    summary = json.loads((read / "summary.json").read_text())
+    assert summary["claims_run"] == 1 and summary["not run here"] >= 3

@@ -43,6 +43,9 @@ class ClaimResult:
     confirmatory: bool = False
     """The claim's confirmatory run (its file's `confirmatory:` stage, at reserved seeds and
     its own plan's looks), read apart from the exploratory runs."""
+    not_run: str | None = None
+    """Why the claim was not run on the model, task or device a `--set` named
+    (labkit.lab.retarget); None where it was, or nothing was set."""
     changed_settings: dict = field(default_factory=dict)
     """A confirmatory run's settings that differ from its exploratory runs' (a `tuned` file,
     say): name -> value; {} where none differs."""

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
+from labkit.lab import retarget
 from labkit.lab import tuning as tuning_lib
 from labkit.lab.experiments import project_root
 from labkit.lab.findings import FINDINGS_PAGE, records_of, run_claims, write_findings
@@ -21,21 +23,39 @@ def run_findings_command(args) -> int:
         print("error: --confirmatory runs claims' confirmatory stages: give it with --all",
               file=sys.stderr)
         return 2
+    try:
+        sets = retarget.parse_sets(getattr(args, "set", None))
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if sets and getattr(args, "confirmatory", False):
+        print("error: --confirmatory runs the project's own confirmatory stages; claims "
+              "re-pointed by --set run exploratory", file=sys.stderr)
+        return 2
+    if sets:  # their runs and page apart from the project's
+        args.root = args.root or str(Path(RUNS_ROOT) / retarget.slug(sets))
+        args.out = args.out or str(Path(args.root) / "findings.md")
+    args.out = args.out or str(FINDINGS_PAGE)
     if args.all:
         only = None if args.only is None else [s.strip() for s in args.only.split(",")
                                                 if s.strip()]
         try:
             failed = run_claims(args.claims, args.root, smoke=args.smoke, workers=args.workers,
                                 only=only, beside=getattr(args, "beside", False),
-                                confirmatory=getattr(args, "confirmatory", False))
+                                confirmatory=getattr(args, "confirmatory", False),
+                                sets=sets or None)
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
         if failed:
             print(f"error: {len(failed)} claim runs failed: {'; '.join(failed)}; the page is "
                   "written from the others", file=sys.stderr)
-    print(write_findings(args.out, args.claims, args.root, smoke=args.smoke,
-                         figures=not args.no_figures))
+    try:
+        print(write_findings(args.out, args.claims, args.root, smoke=args.smoke,
+                             figures=not args.no_figures, sets=sets or None))
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 
 from labkit.formulas import stats
-from labkit.lab import confirm, questions, verdicts
+from labkit.lab import confirm, questions, retarget, verdicts
 from labkit.lab.claims import ClaimResult, claim_verdict
 from labkit.lab.experiments import project_root
 from labkit.lab.findings_page import render, render_every, write_figures
@@ -227,10 +227,12 @@ def _machines(run_path: Path) -> tuple[set[str], set[str]]:
 
 
 def collect(claims_dir: str | Path = CLAIMS_DIR, root: str | Path | None = None,
-            smoke: bool = False, records_dir: str | Path | None = None) -> list[ClaimResult]:
+            smoke: bool = False, records_dir: str | Path | None = None,
+            sets: dict[str, str] | None = None) -> list[ClaimResult]:
     """Every claim of `claims_dir` with the findings and the per-seed record of its finished
     runs under `root`; a claim none of whose runs is there reads its record from
-    `records_dir`/<claim file>.csv where that exists."""
+    `records_dir`/<claim file>.csv where that exists. `sets`: each claim sweep re-pointed at
+    those fields (labkit.lab.retarget), a claim that cannot run there kept with the reason."""
     root = Path(RUNS_ROOT if root is None else root)
     files = sorted(Path(claims_dir).glob("*.yaml"))
     if not files:
@@ -240,6 +242,11 @@ def collect(claims_dir: str | Path = CLAIMS_DIR, root: str | Path | None = None,
         sweep = load_sweep(file, smoke=smoke, to_run=False)
         if not sweep.claims:
             raise ValueError(f"{file.name} has no `claim:` block: it is a sweep, not a claim")
+        if sets:
+            sweep, why = retarget.retarget(sweep, sets)
+            if why is not None:
+                results += [ClaimResult(file, claim, not_run=why) for claim in sweep.claims]
+                continue
         runs = plan(sweep, root)
         done = [run for run in runs if run.status == "done"]
         # what a run says of its machine and time, read once for every claim it answers
@@ -413,13 +420,15 @@ def run_claims(claims_dir: str | Path = CLAIMS_DIR, root: str | Path | None = No
                smoke: bool = False, workers: int = 1,
                only: list[str] | None = None, beside: bool = False,
                records_dir: str | Path | None = None,
-               confirmatory: bool = False) -> list[str]:
+               confirmatory: bool = False, sets: dict[str, str] | None = None) -> list[str]:
     """Run every claim's sweep, batch by batch: a claim file's first seeds under `seeds:`
     are its batches, run in order until every claim the file answers is decided by its
     preregistered plan (`claim_verdict`) or its batches are spent, then its `replication:`
     batches, all of them. With `confirmatory`, each file's `confirmatory:` stage instead,
     look by look in the same way, its claims' plans frozen before its first run
-    (`confirm.freeze`); a file without one is said and left. `only` names the claim
+    (`confirm.freeze`); a file without one is said and left. `sets`: every claim sweep
+    re-pointed at those fields (labkit.lab.retarget; one that cannot run there is said and
+    left), its exploratory runs only. `only` names the claim
     files to run (their stems, such as "03_group_size"); the others are left as they are.
     Every claim file is checked before the first run; finished runs are skipped, so the
     suite resumes. Returns the ids of the runs that failed."""
@@ -433,6 +442,12 @@ def run_claims(claims_dir: str | Path = CLAIMS_DIR, root: str | Path | None = No
                              f"(the files are {', '.join(f.stem for f in files)})")
         files = [f for f in files if f.stem in only]
     sweeps = [(f, load_sweep(f, smoke=smoke)) for f in files]  # every claim checked first
+    if sets:  # every file re-pointed and checked (the model folder, the task's file) first
+        moved = [(f, *retarget.retarget(s, sets)) for f, s in sweeps]
+        for f, _, why in moved:
+            if why is not None:
+                print(f"{f.name}: not run here: {why}", file=sys.stderr)
+        sweeps = [(f, s) for f, s, why in moved if why is None]
     failed = []
     for file, sweep in sweeps:
         if confirmatory:
@@ -446,7 +461,7 @@ def run_claims(claims_dir: str | Path = CLAIMS_DIR, root: str | Path | None = No
             continue
         if not smoke and sweep.seeds and min(sweep.seeds) >= confirm.CONFIRM_FROM:
             confirm.freeze(records_dir, file.stem, sweep, git_commit())  # before its first run
-        failed += _by_looks(file, sweep, claims_dir, root, smoke, workers, beside)
+        failed += _by_looks(file, sweep, claims_dir, root, smoke, workers, beside, sets=sets)
         if sweep.replication:  # read once, at all its seeds: every batch runs
             runs = run_sweep(dataclasses.replace(sweep, seeds=sweep.replication), root,
                              workers=workers, beside=beside)
@@ -455,7 +470,8 @@ def run_claims(claims_dir: str | Path = CLAIMS_DIR, root: str | Path | None = No
 
 
 def _by_looks(file: Path, sweep, claims_dir, root: Path, smoke: bool, workers: int,
-              beside: bool, confirmatory: bool = False) -> list[str]:
+              beside: bool, confirmatory: bool = False,
+              sets: dict[str, str] | None = None) -> list[str]:
     """Run a claim file's sweep batch by batch (its first seeds) until every claim it answers
     is decided at that stage or its batches are spent; the ids of the runs that failed."""
     failed = []
@@ -463,7 +479,7 @@ def _by_looks(file: Path, sweep, claims_dir, root: Path, smoke: bool, workers: i
         runs = run_sweep(dataclasses.replace(sweep, seeds=sweep.seeds[:k]), root,
                          workers=workers, beside=beside)
         failed += [r.id for r in runs if r.status == "failed"]
-        answered = [r for r in collect(claims_dir, root, smoke)
+        answered = [r for r in collect(claims_dir, root, smoke, sets=sets)
                     if r.file == file and not r.replication and r.confirmatory == confirmatory]
         if all(claim_verdict(r).verdict != stats.INCONCLUSIVE for r in answered):
             break
@@ -472,7 +488,7 @@ def _by_looks(file: Path, sweep, claims_dir, root: Path, smoke: bool, workers: i
 
 def write_findings(out: str | Path = FINDINGS_PAGE, claims_dir: str | Path = CLAIMS_DIR,
                    root: str | Path | None = None, smoke: bool = False,
-                   figures: bool = False) -> Path:
+                   figures: bool = False, sets: dict[str, str] | None = None) -> Path:
     """Collect the claims' findings and write the page to `out`, and each claim file's
     per-seed record (`write_records`) into the folder named like the page (docs/findings/
     beside docs/findings.md), from which a later page decides a claim whose runs are gone;
@@ -481,7 +497,7 @@ def write_findings(out: str | Path = FINDINGS_PAGE, claims_dir: str | Path = CLA
     without them."""
     out = Path(out)
     folder = out.with_suffix("")  # docs/findings/ beside docs/findings.md
-    results = collect(claims_dir, root, smoke, records_dir=folder)
+    results = collect(claims_dir, root, smoke, records_dir=folder, sets=sets)
     # one per file, from its runs: a record read back from its CSV is left as it is
     for result in {r.record_name: r for r in results
                    if r.runs_done and not r.stored}.values():
@@ -496,7 +512,7 @@ def write_findings(out: str | Path = FINDINGS_PAGE, claims_dir: str | Path = CLA
         except RuntimeError as e:
             print(f"warning: no figures: {e}", file=sys.stderr)
     commit = git_commit()
-    text = render(results, commit, smoke, out.with_suffix("").name)
+    text = render(results, commit, smoke, out.with_suffix("").name, on=sets)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text, encoding="utf-8")
     folder.mkdir(parents=True, exist_ok=True)

@@ -8,7 +8,11 @@ from pathlib import Path
 
 from labkit.formulas import stats
 from labkit.lab import confirm, plots
-from labkit.lab.claims import NOT_TESTABLE, ClaimResult, claim_verdict
+from labkit.lab.claims import NOT_TESTABLE, ClaimResult, ClaimVerdict, claim_verdict
+
+NOT_RUN_HERE = "not run here"
+"""The verdict of a claim a `--set` could not move to its model or task (labkit.lab.retarget):
+the figure says why."""
 
 
 def _cell(text) -> str:
@@ -36,7 +40,8 @@ def table_rows(results: list[ClaimResult]) -> list[dict]:
         if not r.rows:
             out.append(dict.fromkeys(COLUMNS, "") | {
                 "claim": head, "source": source, "number": number,
-                "measured": f"not run yet ({r.runs_done} of {r.runs_total} runs)"})
+                "measured": r.not_run or f"not run yet ({r.runs_done} of {r.runs_total} runs)",
+                "verdict": NOT_RUN_HERE if r.not_run else ""})
             continue
         for row in r.rows:
             where = "" if row["run"] == "seed=0" else f" ({row['run']})"
@@ -57,7 +62,8 @@ def glance_rows(results: list[ClaimResult]) -> list[dict]:
     run against those planned, the decisive figure and the claim-level verdict."""
     out = []
     for r in results:
-        decided = claim_verdict(r)
+        decided = claim_verdict(r) if r.not_run is None else ClaimVerdict(
+            "-", r.not_run, NOT_RUN_HERE)
         per_arm: dict[str, set] = {}
         for record in r.records:
             per_arm.setdefault(record["arm"], set()).add(record["seed"])
@@ -128,7 +134,8 @@ def side_by_side(results: list[ClaimResult], glance: list[dict]) -> list[dict]:
         confirmed = by_key.get((r.file, r.claim.get("id"), 2))
         row = {"claim": claim_title(r), "the article says": g["the article says"],
                "preregistered test": g["preregistered test"],
-               "exploratory": f"**{g['verdict']}**: {_short(g)}",
+               "exploratory": f"**{g['verdict']}**: "
+                              f"{r.not_run if r.not_run is not None else _short(g)}",
                "exploratory verdict": g["verdict"], "confirmatory verdict": None}
         if confirmed is None or not confirmed[0].records:
             runs = (f" ({confirmed[0].runs_done} of {confirmed[0].runs_total} batches)"
@@ -176,10 +183,25 @@ def flip_reason(explored: ClaimResult, explored_row: dict, confirmed: ClaimResul
     return "; ".join(reasons)
 
 
-def summary_paragraph(pairs: list[dict]) -> str:
+def _counted(verdicts: list[str]) -> str:
+    """'3 supported, 2 inconclusive, 1 comparator collapsed': verdicts counted, most first."""
+    counts: dict[str, int] = {}
+    for verdict in verdicts:
+        kind = "comparator collapsed" if verdict.startswith("comparator collapsed") else (
+            "inconclusive" if verdict == stats.INCONCLUSIVE else verdict)
+        counts[kind] = counts.get(kind, 0) + 1
+    return ", ".join(f"{n} {kind}" for kind, n in sorted(counts.items(),
+                                                          key=lambda kv: (-kv[1], kv[0])))
+
+
+def summary_paragraph(pairs: list[dict], on: bool = False) -> str:
     """How many claims the confirmatory runs supported, refuted, left inconclusive, found
     not testable or found with a collapsed comparator, how many are not run yet, and which
-    verdicts changed."""
+    verdicts changed; `on` (claims re-pointed by --set, exploratory there): the exploratory
+    verdicts counted, those not run here among them."""
+    if on:
+        return (f"Of {len(pairs)} claims on these settings: "
+                f"{_counted([p['exploratory verdict'] for p in pairs])}.")
     run = [p for p in pairs if p["confirmatory verdict"] is not None]
     counts = {}
     for p in run:
@@ -254,11 +276,14 @@ def write_figures(results: list[ClaimResult], folder: str | Path) -> dict[str, s
 
 
 def render(results: list[ClaimResult], commit: str | None, smoke: bool = False,
-           figures_dir: str = "findings") -> str:
+           figures_dir: str = "findings", on: dict[str, str] | None = None) -> str:
     """The findings page as markdown (each claim file's notes and figures are on its own
-    page, `render_every`)."""
-    flag = " --smoke" if smoke else ""
-    lines = ["# Findings", "",
+    page, `render_every`); `on`: the fields a `--set` re-pointed the claims at, named in the
+    title and the commands, with the claims that could not run there and why."""
+    flag = (" --smoke" if smoke else "") + "".join(f" --set {k}={v}"
+                                                   for k, v in (on or {}).items())
+    head = "# Findings" + (f" on {', '.join(f'{k} {v}' for k, v in on.items() if k in ('model', 'task')) or 'your settings'}" if on else "")
+    lines = [head, "",
              "Claims of the source articles and of the field's variants, each run as an "
              "experiment over paired seeds, with a 95% interval and a verdict: `supported` "
              "(the whole interval on the claim's side), "
@@ -269,6 +294,9 @@ def render(results: list[ClaimResult], commit: str | None, smoke: bool = False,
              "Each claim is its own family (its looks and arms share its 5%); "
              "none across claims. Generated by `python -m labkit findings` from the finished runs; do not edit by "
              "hand.", "",
+             *([f"Every claim re-pointed at {', '.join(f'{k}={v}' for k, v in on.items())} "
+                "(labkit.lab.retarget): exploratory there, its runs and page apart from the "
+                "project's; a claim that cannot run there says why.", ""] if on else []),
              f"- page generated at commit `{commit or 'unknown'}`; each claim's runs name "
              "their own below",
              f"- regenerate: `python -m labkit findings --all{flag}` runs every claim "
@@ -277,7 +305,7 @@ def render(results: list[ClaimResult], commit: str | None, smoke: bool = False,
              "claim whose runs are gone, from its per-seed CSV under findings/", ""]
     glance = glance_rows(results)
     pairs = side_by_side(results, glance)
-    lines += ["## Claims at a glance", "", summary_paragraph(pairs), "",
+    lines += ["## Claims at a glance", "", summary_paragraph(pairs, on=bool(on)), "",
               "Each claim decided by its preregistered primary measure (the claim's "
               "`preregistered:` block, `labkit.lab.preregistration`): *exploratory* on the "
               "seeds its pilot used, *confirmatory* at reserved seeds from "

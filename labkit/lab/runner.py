@@ -98,7 +98,9 @@ def check_config_rules(notebook: str | Path, params: dict[str, Param], values: d
                                                 say=False, **where)))
     except ValueError as e:
         given = ", ".join(f"{k}={values[k]!r}" for k in values if k in shared or k in where)
-        raise ValueError(f"{Path(notebook).name} with {given}: {e}") from None
+        error = ValueError(f"{Path(notebook).name} with {given}: {e}")
+        error.rule = str(e)  # the rule alone, for a caller that names the values itself
+        raise error from None
 
 
 # --- execution -------------------------------------------------------------------------------
