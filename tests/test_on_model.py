@@ -243,3 +243,26 @@ def test_the_claims_run_on_a_model_folder_on_a_page_of_their_own(folders, tmp_pa
                          "run_dir": str(tmp_path / "04")}, progress=False)
     summary = json.loads((read / "summary.json").read_text())
     assert summary["claims_run"] == 1 and summary["not run here"] >= 3
+
+
+def test_the_gpu_checks_figures_read_each_algorithms_steps(tmp_path, capsys):
+    """scripts/gpu_check.sh's notebook figures: per run, medians of step time and tokens per
+    second after the first step, and the largest memory peak."""
+    from labkit.bench import notebook_figures
+
+    lines = [{"run": run, "step": k, "perf/step_s": s, "perf/tokens_per_s": t,
+              "perf/mem_mb": m}
+             for run, steps in (("grpo", [(9.0, 10, 900), (1.0, 300, 500), (3.0, 100, 700),
+                                           (2.0, 200, 600)]),
+                                ("ppo", [(5.0, 50, 1000), (4.0, 60, 1200)]))
+             for k, (s, t, m) in enumerate(steps, 1)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines
+                                                    + [{"run": "grpo", "step": 4,
+                                                        "eval/accuracy": 0.5}]))
+    rows = {r["run"]: r for r in notebook_figures.figures(tmp_path)}
+    assert rows["grpo"] == {"run": "grpo", "steps": 4, "step_s": 2.0, "tokens_per_s": 200,
+                            "peak_mb": 900}
+    assert rows["ppo"]["step_s"] == 4.0 and rows["ppo"]["peak_mb"] == 1200
+    assert notebook_figures.main([str(tmp_path)]) == 0
+    assert "grpo" in capsys.readouterr().out
+    assert notebook_figures.main([str(tmp_path / "none")]) == 2
