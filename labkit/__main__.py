@@ -345,6 +345,26 @@ def _findings_parser(sub) -> None:
                           "kaleido, the `figures` extra, and a Chrome or Chromium)")
 
 
+def _fork_parser(sub) -> None:
+    cmd = sub.add_parser("fork", help="train a run again from its checkpoint at a step, with "
+                                      "a change (labkit.fork)")
+    cmd.add_argument("run", help="the parent run's folder")
+    cmd.add_argument("--at", required=True, metavar="STEP",
+                     help="the parent's step whose kept checkpoint the fork starts from; auto: "
+                          "the last kept checkpoint before the run's first warning (a "
+                          "collapse, a stop rule)")
+    cmd.add_argument("--set", action="append", default=None, metavar="FIELD=VALUE",
+                     help="a changed TrainConfig field (lr, beta, eps_low, num_iterations, "
+                          "loss, estimator, ...), repeated for several")
+    cmd.add_argument("--seeds", type=int, default=None, metavar="N",
+                     help="N continuations (continuation seeds 0..N-1) with the change and the "
+                          "same N without it, paired")
+    cmd.add_argument("--steps", type=int, default=None,
+                     help="train to this step (default: the parent's last)")
+    cmd.add_argument("--out", default=None,
+                     help="the fork's folder (default: <run>-fork<STEP> beside the parent)")
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse with its errors as the one `error:` line every other user error gets (no
     usage block); --help still shows the usage."""
@@ -385,17 +405,19 @@ def main(argv: list[str] | None = None) -> int:
     _diagnose_parser(sub)
     _findings_parser(sub)
     _tune_parser(sub)
+    _fork_parser(sub)
     from labkit.bench import add_parser as _bench_parser
 
     _bench_parser(sub)
     args = parser.parse_args(argv)
     try:
-        if args.command in ("run", "sweep", "findings", "tune"):  # the lab wing's commands
-            from labkit.lab import commands
+        if args.command in ("run", "sweep", "findings", "tune", "fork"):  # the lab wing's
+            from labkit.lab import commands, forks
 
             return {"run": commands.run_notebook_command, "sweep": commands.run_sweep_command,
                     "findings": commands.run_findings_command,
-                    "tune": commands.run_tune_command}[args.command](args)
+                    "tune": commands.run_tune_command,
+                    "fork": forks.run_fork_command}[args.command](args)
         if args.command == "bench":
             from labkit.bench import main_bench
 

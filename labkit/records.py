@@ -38,6 +38,15 @@ def stop_message(run_dir: Path) -> str:
         return json.loads((run_dir / STOPPED).read_text(encoding="utf-8"))["message"]
     except (OSError, ValueError, KeyError, TypeError):
         return "see stopped.json"
+def parent_records(config: TrainConfig) -> list[dict]:
+    """A fork's parent's metrics records up to the fork step (labkit.fork); [] for a run
+    trained from step 0."""
+    if not config.fork_of:
+        return []
+    return [r for r in rundir.read_log(Path(config.fork_of) / METRICS)
+            if r.get("step", 0) <= config.fork_step]
+
+
 class RunLog:
     """A run's logs as it writes them, each through `rundir.Log`: metrics.jsonl (every record
     so far, those of the run it resumes too, with the stop rules' and the dead-run watch's
@@ -47,11 +56,13 @@ class RunLog:
     def __init__(self, config: TrainConfig, run_dir: Path):
         path = run_dir / METRICS
         self.records = rundir.read_log(path)
-        self.accuracy = [r["eval/accuracy"] for r in self.records if "eval/accuracy" in r]
+        before = parent_records(config)  # a fork follows its parent's streaks up to its start
+        self.accuracy = [r["eval/accuracy"] for r in before + self.records
+                         if "eval/accuracy" in r]
         self.watch = stops.RunWatch(config)
         self.stopped: stops.Stop | stops.Dead | None = None
-        for record in self.records:  # a resumed run follows an uninterrupted run's streaks
-            self.judge(record)
+        for record in before + self.records:  # a resumed run follows an uninterrupted run's
+            self.judge(record)                # streaks
         self.metrics = rundir.Log(path).open()
         self.rollouts = rundir.Log(run_dir / samples.FILE)  # rollouts_every
         self.diag = RunDiagnostics(config, run_dir)  # diag_every: diagnostics.jsonl
@@ -105,7 +116,8 @@ def finish(run_dir: Path, learner: Learner, policy, tokenizer, last: int,
     the final model (with LoRA: merged, the adapters in final/adapter/). The checkpoint comes
     before stopped.json: a run killed in between is resumed, replays its records, and stops
     again at the same step."""
-    rundir.save_checkpoint(run_dir, last, learner_state(learner))
+    rundir.save_checkpoint(run_dir, last, learner_state(learner),
+                           keep_every=config.keep_every)
     if stopped is not None:
         rundir.write_json(run_dir / STOPPED, stopped.to_dict())
         tqdm.write(f"{run_dir}: {stopped.message()}", file=sys.stderr)
@@ -117,13 +129,14 @@ def finish(run_dir: Path, learner: Learner, policy, tokenizer, last: int,
 
 
 def abort(run_dir: Path, learner: Learner, step: int, error: Exception,
-           clean: bool) -> RunAborted:
+           clean: bool, keep_every: int = 0) -> RunAborted:
     """Checkpoint what can be resumed and say so. `clean`: no optimizer step of `step` ran,
     so the weights are those at the end of step - 1, a checkpoint a resume can use; else
     step's earlier minibatches already moved them and the state is kept apart, as
     `diverged_<step>.pt`, for inspection only."""
     if clean:
-        path = rundir.save_checkpoint(run_dir, step - 1, learner_state(learner))
+        path = rundir.save_checkpoint(run_dir, step - 1, learner_state(learner),
+                                      keep_every=keep_every)
         where = f"its last checkpoint is {path}"
     else:
         kept = rundir.save_checkpoint(run_dir, step, learner_state(learner), name="diverged")

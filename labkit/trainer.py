@@ -42,9 +42,18 @@ from labkit.settings.config import TrainConfig
 from labkit.settings.preflight import preflight
 
 
+CONTINUATION_STRIDE = 10**13
+"""How far apart continuation streams' step seeds lie (labkit.fork): beyond any run's
+seed * 1_000_003 + step for seeds below 10**6."""
+
+
 def step_seed(config: TrainConfig, step: int) -> int:
-    """The seed of every random draw of step `step` (prompts, samples, minibatch order)."""
-    return config.seed * 1_000_003 + step
+    """The seed of every random draw of step `step` (prompts, samples, minibatch order); a
+    fork's steps after `fork_step` with a `continuation_seed` c draw from stream c."""
+    base = config.seed * 1_000_003 + step
+    if config.continuation_seed is None or step <= config.fork_step:
+        return base
+    return base + (config.continuation_seed + 1) * CONTINUATION_STRIDE
 
 
 @dataclass
@@ -375,10 +384,12 @@ def _run_steps(trainer: Trainer, log: RunLog, first: int, run_dir: Path,
             if parallel.broadcast(log.stopped is not None, learner.accelerator):
                 break
             if config.checkpoint_every and step % config.checkpoint_every == 0:
-                rundir.save_checkpoint(run_dir, step, learner_state(learner))
+                rundir.save_checkpoint(run_dir, step, learner_state(learner),
+                                       keep_every=config.keep_every)
     except (FloatingPointError, RewardError, NonFiniteError) as e:
-        raise records.abort(run_dir, learner, step, e, clean=update_count(learner) == updates_before
-                     ) from e
+        raise records.abort(run_dir, learner, step, e,
+                            clean=update_count(learner) == updates_before,
+                            keep_every=config.keep_every) from e
     finally:
         bar.close()
 

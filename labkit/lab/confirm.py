@@ -27,7 +27,8 @@ NOT_FINGERPRINTED = ("run_dir", "progress", "report_to")
 """Fields that say where a run writes and how it is shown, not what it computes."""
 
 
-ADDED_LATER = {"chat_template": True}
+ADDED_LATER = {"chat_template": True, "keep_every": 0, "fork_of": None, "fork_step": 0,
+               "continuation_seed": None}
 """Fields added after fingerprints were first recorded, with the value every earlier run had:
 a config at that value leaves the field out, so its fingerprint is the one an earlier run of
 the same settings recorded."""

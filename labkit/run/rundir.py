@@ -154,13 +154,17 @@ def versions() -> dict[str, str | None]:
     return found
 
 
-def write_config(run_dir: Path, config: dict, machine: dict | None = None) -> None:
+def write_config(run_dir: Path, config: dict, machine: dict | None = None,
+                 fork: dict | None = None) -> None:
     """config.json: every parameter, the package versions, the git commit, the command,
-    `machine` (labkit.model.learner.machine: device, CPU capability, threads, precision) and, for
+    `machine` (labkit.model.learner.machine: device, CPU capability, threads, precision),
+    for a fork `fork` (its parent, step, changes and continuation seed: labkit.fork) and, for
     a code task, `sandbox` (labkit.sandbox.isolation: the layers around its programs)."""
     record = {"config": config, "versions": versions(), "git_commit": git_commit(),
               "machine": machine or {}, "argv": sys.argv,
               "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    if fork is not None:
+        record["fork"] = fork
     if config.get("task") == "code":  # what stands around the model's programs
         from labkit.sandbox import isolation
 
@@ -268,10 +272,11 @@ def set_rng_state(state: dict) -> None:
 
 
 def save_checkpoint(run_dir: Path, step: int, state: dict, keep: int = 2,
-                    name: str = "step") -> Path:
+                    name: str = "step", keep_every: int = 0) -> Path:
     """Write `checkpoints/<name>_XXXXXX.pt` atomically (a synced temporary file renamed into
-    place); keep the newest `keep` step checkpoints. Only `step_*` files are what a resume
-    loads; another `name` marks a state that is not the end of a step."""
+    place); keep the newest `keep` step checkpoints, and for good those at steps divisible
+    by `keep_every` (0: none). Only `step_*` files are what a resume loads; another `name`
+    marks a state that is not the end of a step."""
     folder = Path(run_dir) / CHECKPOINTS
     folder.mkdir(exist_ok=True)
     for stale in folder.glob(".*.pt.tmp"):  # left by a run killed while saving
@@ -286,13 +291,19 @@ def save_checkpoint(run_dir: Path, step: int, state: dict, keep: int = 2,
     _sync_dir(folder)
     if name == "step":
         for old in sorted(folder.glob("step_*.pt"))[:-keep]:
-            old.unlink()
+            if not (keep_every and checkpoint_step(old) % keep_every == 0):
+                old.unlink()
     return path
 
 
 def checkpoint_step(path: Path) -> int:
     """The step of a `step_XXXXXX.pt` checkpoint, from its name."""
     return int(Path(path).stem.split("_")[-1])
+
+
+def kept_steps(run_dir: str | Path) -> list[int]:
+    """The steps of the run's kept `step_*` checkpoints, in order."""
+    return sorted(checkpoint_step(p) for p in (Path(run_dir) / CHECKPOINTS).glob("step_*.pt"))
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:

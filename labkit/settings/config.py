@@ -300,6 +300,20 @@ class TrainConfig:
     """Where the run writes; None makes experiments/runs/<algo>/<time>-<pid>."""
     checkpoint_every: int = bounded(0, ge=0)
     """Steps between checkpoints (0: only at the end)."""
+    keep_every: int = bounded(0, ge=0)
+    """Checkpoints kept for good: those at steps divisible by keep_every (saved by
+    checkpoint_every) stay beside the newest two, so the run can be forked there
+    (labkit.fork); 0: only the newest two are kept."""
+    fork_of: str | None = None
+    """The run this one was forked from (`python -m labkit fork`, labkit.fork); None for a
+    run trained from step 0."""
+    fork_step: int = bounded(0, ge=0)
+    """A fork's first step is fork_step + 1: the parent's checkpoint at fork_step is its
+    start (labkit.fork)."""
+    continuation_seed: int | None = bounded(None, ge=0)
+    """A fork's continuation: None draws the steps after fork_step as the parent does (the
+    parent's own continuation); c draws them from stream c instead (prompts, samples,
+    minibatch order: labkit.trainer.step_seed)."""
     tensor_peak_step: int = bounded(2, ge=0)
     """The tensors' peak (perf/tensor_peak_mb, labkit.probes.tensor_memory) is measured from
     before the model is built to the end of this step (the last when the run is shorter; at
