@@ -88,13 +88,15 @@ def checkpoint_at(parent: str | Path, step: int) -> Path:
                      "checkpoint_every and keep_every to keep more)")
 
 
-def fork(parent: str | Path, at: int, changes: dict | None = None, *,
-         out: str | Path | None = None, steps: int | None = None,
-         continuation_seed: int | None = None, progress: bool | None = None):
-    """Train a fork of `parent` from its checkpoint at step `at` with `changes` applied, into
-    `out` (default: <parent>-fork<at>[-c<seed>] beside it), to the parent's last step or
-    `steps`; returns the fork's RunResult. Refused before anything is written: an immutable
-    field, a step with no kept checkpoint, a config the changed fields break."""
+def prepare(parent: str | Path, at: int, changes: dict | None = None, *,
+            out: str | Path | None = None, steps: int | None = None,
+            continuation_seed: int | None = None, progress: bool | None = None) -> Path:
+    """Make a fork's folder, ready to train with `train(resume=...)`: its config.json (the
+    parent's config with `changes`, to the parent's last step or `steps`, naming the parent,
+    the step and the change) and the parent's checkpoint at `at` with the change made to
+    take effect (`_apply`); out defaults to <parent>-fork<at>[-c<seed>] beside it. Refused
+    before anything is written: an immutable field, a step with no kept checkpoint, a config
+    the changed fields break."""
     parent = Path(parent)
     changes = dict(changes or {})
     for key in changes:
@@ -127,7 +129,17 @@ def fork(parent: str | Path, at: int, changes: dict | None = None, *,
         rundir.save_checkpoint(out, at, {k: v for k, v in state.items() if k != "step"})
     finally:
         lock.release()
-    return train(resume=out)
+    return out
+
+
+def fork(parent: str | Path, at: int, changes: dict | None = None, *,
+         out: str | Path | None = None, steps: int | None = None,
+         continuation_seed: int | None = None, progress: bool | None = None, callbacks=()):
+    """Train a fork of `parent` from its checkpoint at step `at` with `changes` applied
+    (`prepare`), to the parent's last step or `steps`; returns the fork's RunResult."""
+    out = prepare(parent, at, changes, out=out, steps=steps,
+                  continuation_seed=continuation_seed, progress=progress)
+    return train(resume=out, callbacks=callbacks)
 
 
 def _apply(state: dict, before: TrainConfig, after: TrainConfig) -> None:

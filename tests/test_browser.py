@@ -2,7 +2,7 @@
 
 It starts ``jupyter lab`` on loopback (a random token, isolated config, data and
 settings dirs, no network look-ups), opens ``notebooks/03_advantage_variance_live.ipynb``
-(then ``06_learns_to_think.ipynb``) in headless Chromium (Debian's ``/usr/bin/chromium`` driven by playwright-python; no
+(then ``06_learns_to_think.ipynb`` and ``07_collapse_forensics.ipynb``) in headless Chromium (Debian's ``/usr/bin/chromium`` driven by playwright-python; no
 browser download), runs all cells, and checks that
 
 * a plotly figure (``.js-plotly-plot``) renders in an output area,
@@ -49,6 +49,9 @@ LIVE: dict = {
                                          "diag_samples": 8},
     "06_learns_to_think.ipynb": {"steps": 4, "eval_n": 8, "eval_every": 2, "batch_prompts": 4,
                                  "critic_steps": 2, "look_prompts": 1, "look_samples": 1},
+    "07_collapse_forensics.ipynb": {"steps": 16, "eval_n": 8, "eval_every": 1, "keep_every": 1,
+                                    "at": "3", "seeds": 1,
+                                    "stabilisers": "half_lr: lr=0.0005"},
 }
 NOTEBOOKS = ([Path(os.environ["LABKIT_BROWSER_NOTEBOOK"])]
              if os.environ.get("LABKIT_BROWSER_NOTEBOOK")

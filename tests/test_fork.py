@@ -130,3 +130,20 @@ def test_the_lab_proposes_the_last_kept_checkpoint_before_a_collapse(tmp_path):
     (calm / "metrics.jsonl").write_text(json.dumps({"step": 0, "eval/accuracy": 0.4}) + "\n")
     with pytest.raises(ValueError, match="neither collapsed nor stopped"):
         forks.where_to_fork(calm)
+
+
+def test_the_forensics_figure_draws_the_parent_to_the_fork_and_marks_it():
+    history = [{"step": s, "rollout/reward_mean": s / 10, **({"eval/accuracy": 0.3}
+                                                             if s % 2 == 0 else {})}
+               for s in range(0, 9)]
+    plot = forks.ForkPlot(history, 4)
+    plot.add("kl", [{"step": s, "rollout/reward_mean": 0.5, "eval/accuracy": 0.4}
+                    for s in range(5, 9)])
+    plot.add("kl", [{"step": s, "rollout/reward_mean": 0.7, "eval/accuracy": 0.2}
+                    for s in range(5, 9)])
+    fig = plot.static()
+    parent = [t for t in fig.data if t.name == "parent"]
+    assert [max(t.x) for t in parent] == [4, 4]  # accuracy and reward, to the fork step
+    assert [s.x0 for s in fig.layout.shapes] == [4, 4]  # the fork marked in each panel
+    mean = [t for t in fig.data if t.name == "kl"]
+    assert [list(t.y) for t in mean] == [pytest.approx([0.3] * 4), pytest.approx([0.6] * 4)]

@@ -22,7 +22,8 @@ from labkit.formulas import stats
 REPO = Path(__file__).resolve().parents[1]
 NOTEBOOKS = REPO / "notebooks"
 STEMS = ["00_building_blocks", "01_grpo_vs_ppo", "02_group_size_sweep",
-         "03_advantage_variance_live", "04_claims", "05_arms", "06_learns_to_think"]
+         "03_advantage_variance_live", "04_claims", "05_arms", "06_learns_to_think",
+         "07_collapse_forensics"]
 REQUIRED = {
     "00_building_blocks": {"run_dir", "seed"},
     "01_grpo_vs_ppo": {"run_dir", "seed", "seeds", "workers", "steps", "batch_prompts",
@@ -37,6 +38,8 @@ REQUIRED = {
                 "batch_prompts", "group_size", "eval_n"},
     "06_learns_to_think": {"run_dir", "seed", "algo", "steps", "batch_prompts", "group_size",
                            "critic_steps", "look_prompts", "look_samples"},
+    "07_collapse_forensics": {"run_dir", "seed", "algo", "steps", "keep_every", "at", "seeds",
+                              "stabilisers"},
 }
 ON_MODEL = {"model", "task", "gsm8k_path", "dataset_path", "code_path", "device", "dtype",
             "profile", "extra"}
@@ -212,6 +215,25 @@ def check_04(summary, records, params):
     verdicts = sum(n for v, n in summary.items()
                    if v in stats.VERDICTS or v.startswith("comparator collapsed on "))
     assert verdicts == summary["findings"] and records == []
+
+
+def check_07(summary, records, params):
+    """The parent, then every arm's forks and the unchanged continuation at each seed, each
+    from the fork step on; two findings per stabiliser, Bonferroni over them."""
+    seeds, steps = params["seeds"][1], params["steps"][1]
+    at = summary["at"]
+    arms = summary["arms"].split(", ")
+    assert arms == ["kl", "one_pass", "half_lr"]  # DPO's: no clip to turn on
+    runs = {r["run"] for r in records}
+    assert runs == {"parent"} | {f"{a}/seed={c}" for a in ["unchanged", *arms]
+                                 for c in range(seeds)}
+    for run in runs - {"parent"}:
+        steps_run = sorted({r["step"] for r in records if r["run"] == run})
+        assert steps_run == list(range(at + 1, steps + 1)), run
+    found = [k for k in summary if k.endswith("/question")]
+    assert len(found) == 2 * len(arms)
+    assert all("98.3% " in summary["description"] for _ in [0])  # 1 - 0.05 / 3
+    assert all(summary[k.replace("question", "verdict")] for k in found)
 
 
 def check_05(summary, records, params):

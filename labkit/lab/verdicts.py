@@ -265,7 +265,8 @@ def describe_findings(findings: Sequence[Finding]) -> str:
     for f in findings:
         side = "above" if f.direction == "above" else "below"
         text = (f"'{f.question}': {f.verdict} ({f.measure} = {f.interval.format(f.digits)}, "
-                f"95% {f.interval.method}; the claim needs it {side} {f.threshold:g})")
+                f"{100 * f.interval.confidence:.3g}% {f.interval.method}; the claim needs "
+                f"it {side} {f.threshold:g})")
         sentences.append(text + (f"; {f.note}." if f.note else "."))
     return " ".join(sentences)
 
