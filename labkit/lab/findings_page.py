@@ -106,6 +106,16 @@ def replication_lines(results: list[ClaimResult], glance: list[dict]) -> list[st
     return ["", "Replications:", "", *out] if out else []
 
 
+def _without_methods(figure: str) -> str:
+    """A decisive figure without its methods in brackets (each claim file's page has them):
+    'a vs b: 1.2 [0.5, 1.9]; 5 seeds, look 1 of 2 at 96.90% (paired t over 5 seeds)' -> the
+    same without ' (paired t over 5 seeds)'."""
+    import re
+
+    return re.sub(r" \((?:paired t|t-interval|Newcombe|Wilson|mean of|exact|sign)[^()]*"
+                  r"(?:\([^()]*\)[^()]*)*\)", "", figure)
+
+
 def _short(row: dict) -> str:
     """A glance row's decisive figure without its method, with its seeds: 'ppo vs grpo: 1.92
     [1.92, 1.93]; 5 of 10 seeds'."""
@@ -145,8 +155,8 @@ def side_by_side(results: list[ClaimResult], glance: list[dict]) -> list[dict]:
             c, cg = confirmed
             power = f"; 80% power: {cg['80% power: effect / seeds']}" \
                 if cg["80% power: effect / seeds"] != "-" else ""
-            row |= {"confirmatory": f"**{cg['verdict']}**: {cg['decisive figure [CI]']}"
-                                    f"{power}",
+            row |= {"confirmatory": f"**{cg['verdict']}**: "
+                                    f"{_without_methods(cg['decisive figure [CI]'])}{power}",
                     "confirmatory verdict": cg["verdict"],
                     "why they differ": flip_reason(r, g, c, cg)}
         out.append(row)
@@ -163,7 +173,7 @@ def flip_reason(explored: ClaimResult, explored_row: dict, confirmed: ClaimResul
     if confirmed.changed:
         return confirmed.changed
     before, after = explored_row["verdict"], confirmed_row["verdict"]
-    if before == after:
+    if verdict_kind(before) == verdict_kind(after):
         return "agree"
     reasons = []
     tuned = confirmed.changed_settings.get("tuned")
@@ -181,6 +191,12 @@ def flip_reason(explored: ClaimResult, explored_row: dict, confirmed: ClaimResul
     if not reasons:
         reasons.append("a seed effect: the same plan and settings at fresh seeds")
     return "; ".join(reasons)
+
+
+def verdict_kind(verdict: str) -> str:
+    """A verdict without its counts: 'comparator collapsed on 2 of 5 seeds' -> 'comparator
+    collapsed' (two such verdicts agree whatever their counts)."""
+    return "comparator collapsed" if verdict.startswith("comparator collapsed") else verdict
 
 
 def _counted(verdicts: list[str]) -> str:
@@ -213,7 +229,7 @@ def summary_paragraph(pairs: list[dict], on: bool = False) -> str:
                                                           key=lambda kv: (-kv[1], kv[0])))
     flips = [f"{p['claim'].split('.')[0]} ({p['exploratory verdict']} -> "
              f"{p['confirmatory verdict']})" for p in run
-             if p["confirmatory verdict"] != p["exploratory verdict"]]
+             if verdict_kind(p["confirmatory verdict"]) != verdict_kind(p["exploratory verdict"])]
     text = (f"Of {len(pairs)} claims, {len(run)} have a confirmatory verdict"
             + (f": {said}" if said else "") + f"; {len(pairs) - len(run)} "
             f"{'is' if len(pairs) - len(run) == 1 else 'are'} not run at "
@@ -343,8 +359,11 @@ def render(results: list[ClaimResult], commit: str | None, smoke: bool = False,
     sweeps = {r.record_name: r.elapsed_s for r in results  # a file answering two claims ran once
               if r.runs_done}
     lines += [f"The whole suite took {sum(sweeps.values()) / 3600:.2f} h of wall time "
-              f"({len(sweeps)} sweep{'s' * (len(sweeps) != 1)}, one after another, each running its training runs in "
-              "parallel worker processes, on the machines named in the table).", ""]
+              f"({len(sweeps)} sweep{'s' * (len(sweeps) != 1)}, one after another, each "
+              "running its training runs in parallel worker processes). Each line: the claims, "
+              f"the claim file (`python -m labkit findings --all [--confirmatory] --only "
+              f"FILE{flag}` runs it), its batches run, the commits its runs were made at, "
+              "the training runs' wall time and the time elapsed.", ""]
     places = {}
     for r in results:
         where = "; ".join(sorted({f"{rec['cpu']}, torch {rec.get('torch', '?')}"
@@ -369,15 +388,12 @@ def render(results: list[ClaimResult], commit: str | None, smoke: bool = False,
             continue
         ids = ", ".join(dict.fromkeys(str(g.claim.get("id", "?")) for g in group))
         hours = r.compute_s / 3600
-        made = (f", made at commit{'s' * (len(r.commits) > 1)} {', '.join(sorted(r.commits))}"
-                if r.commits else "")
+        made = f", {', '.join(sorted(r.commits))}" if r.commits else ""
         again = " (replication)" if order == 1 else " (confirmatory)" if order == 2 else ""
-        stage = " --confirmatory" if order == 2 else ""
+        stage = ""
         where = places[id(r)]
-        lines.append(f"- claim{'s' * (len(group) > 1)} {ids}{again}: `python -m labkit "
-                     f"findings --all{stage} --only {stem}{flag}`; {r.runs_done} of "
-                     f"{r.runs_total} batches run{made}, {hours:.2f} h of training runs' "
-                     f"wall time, {r.elapsed_s / 60:.0f} min elapsed"
+        lines.append(f"- {ids}{again}: `{stem}`{stage}; {r.runs_done} of {r.runs_total} "
+                     f"batches{made}, {hours:.2f} h of runs, {r.elapsed_s / 60:.0f} min"
                      + (f", on {where}" if where else ""))
     return "\n".join(lines) + "\n"
 
