@@ -148,6 +148,10 @@ def test_the_page_sets_each_claims_confirmatory_verdict_beside_its_exploratory_o
     (seed,) = row(explored, flat)
     assert seed["confirmatory verdict"] != "supported"
     assert seed["why they differ"].startswith("a seed effect: the same plan and settings")
+    assert "; the confirmatory estimate 0." in seed["why they differ"]
+    assert seed["why they differ"].endswith(" the exploratory interval " +
+                                            agree["exploratory"].split(": ")[2].split(";")[0]
+                                            .split(" ", 1)[1])
     (comparator,) = row(explored, tuned)
     assert comparator["why they differ"].startswith("a tuned comparator: each arm at its "
                                                     "tuned settings (t.json)")

@@ -189,8 +189,26 @@ def flip_reason(explored: ClaimResult, explored_row: dict, confirmed: ClaimResul
             reasons.append(f"the positive control did not move the measure in the {where} "
                            "runs")
     if not reasons:
-        reasons.append("a seed effect: the same plan and settings at fresh seeds")
+        reasons.append("a seed effect: the same plan and settings at fresh seeds"
+                       + _overlap(explored_row["decisive figure [CI]"],
+                                  confirmed_row["decisive figure [CI]"]))
     return "; ".join(reasons)
+
+
+def _overlap(explored: str, confirmed: str) -> str:
+    """'; the confirmatory estimate 0.12 lies inside the exploratory interval [0.05, 0.30]'
+    (or outside it), from the two decisive figures; '' where either has no interval."""
+    import re
+
+    found = [re.search(r"(-?[\d.]+) \[(-?[\d.]+), (-?[\d.]+)\]", f.split("; ")[0])
+             for f in (explored, confirmed)]
+    if not all(found):
+        return ""
+    low, high = float(found[0].group(2)), float(found[0].group(3))
+    mean = float(found[1].group(1))
+    where = "inside" if low <= mean <= high else "outside"
+    return (f"; the confirmatory estimate {found[1].group(1)} lies {where} the exploratory "
+            f"interval [{found[0].group(2)}, {found[0].group(3)}]")
 
 
 def verdict_kind(verdict: str) -> str:
