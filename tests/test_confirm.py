@@ -206,8 +206,9 @@ def test_every_shipped_confirmatory_record_is_fresh_data():
 
 
 def test_a_field_added_later_leaves_the_recorded_fingerprints_as_they_were():
-    """chat_template came after the per-seed records: at its earlier value (True) a config's
-    fingerprint is the one its run recorded without the field; set otherwise, it differs."""
+    """chat_template and the fork's fields came after the per-seed records: at their earlier
+    values a config's fingerprint is the one its run recorded without them; set otherwise,
+    it differs."""
     import dataclasses
     import hashlib
     import json
@@ -216,8 +217,9 @@ def test_a_field_added_later_leaves_the_recorded_fingerprints_as_they_were():
 
     config = TrainConfig(seed=1003, algo="ppo", lr=5e-4)
     values = {k: v for k, v in config.to_dict().items()
-              if k not in confirm.NOT_FINGERPRINTED and k != "chat_template"}
+              if k not in confirm.NOT_FINGERPRINTED and k not in confirm.ADDED_LATER}
     before = hashlib.sha256(json.dumps(values, sort_keys=True, default=str).encode()
                             ).hexdigest()[:16]
     assert confirm.fingerprint(config) == before
     assert confirm.fingerprint(dataclasses.replace(config, chat_template=False)) != before
+    assert confirm.fingerprint(dataclasses.replace(config, continuation_seed=2)) != before

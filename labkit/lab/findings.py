@@ -247,19 +247,11 @@ def collect(claims_dir: str | Path = CLAIMS_DIR, root: str | Path | None = None,
             if why is not None:
                 results += [ClaimResult(file, claim, not_run=why) for claim in sweep.claims]
                 continue
-        runs = plan(sweep, root)
-        done = [run for run in runs if run.status == "done"]
-        # what a run says of its machine and time, read once for every claim it answers
-        facts = _facts(done)
-        # the per-seed record of the file's runs, shared by every claim it answers
-        records = _records(done, facts, _watches(sweep))
-        for claim in sweep.claims:
-            result = ClaimResult(file, claim, runs_done=len(done), runs_total=len(runs),
-                                 records=list(records))
-            _finish(result, done, facts, records_dir)
+        for result in _read_stage(file, sweep, root, records_dir):
             if records_dir is not None:
-                result.changed = confirm.changed_since_frozen(records_dir, file.stem, claim,
-                                                              sweep.parameters, sweep.grid)
+                result.changed = confirm.changed_since_frozen(records_dir, file.stem,
+                                                              result.claim, sweep.parameters,
+                                                              sweep.grid)
             results.append(result)
         if sweep.replication:
             results += _replications(file, sweep, root, records_dir)
@@ -347,25 +339,36 @@ def _finish(result: ClaimResult, done: list, facts: list, records_dir) -> None:
                         for k in _finding_numbers(swept)]
 
 
-def _replications(file: Path, sweep, root: Path, records_dir) -> list[ClaimResult]:
-    """The claims of a file run again at its `replication:` first seeds: each read once, at
-    all the seeds those runs train."""
-    again = dataclasses.replace(sweep, seeds=list(sweep.replication))
-    runs = plan(again, root)
+def _read_stage(file: Path, sweep, root: Path, records_dir, **fields) -> list[ClaimResult]:
+    """A ClaimResult per claim of one stage of a claim file (`sweep`: its seeds and runs
+    folder) with the findings and the per-seed record of its finished runs under `root`
+    (`_finish`), each with `fields` set."""
+    runs = plan(sweep, root)
     done = [run for run in runs if run.status == "done"]
+    # what a run says of its machine and time, read once for every claim it answers
     facts = _facts(done)
+    # the per-seed record of the file's runs, shared by every claim it answers
     records = _records(done, facts, _watches(sweep))
     out = []
     for claim in sweep.claims:
         result = ClaimResult(file, claim, runs_done=len(done), runs_total=len(runs),
-                             records=list(records), replication=tuple(sweep.replication))
+                             records=list(records), **fields)
         _finish(result, done, facts, records_dir)
+        out.append(result)
+    return out
+
+
+def _replications(file: Path, sweep, root: Path, records_dir) -> list[ClaimResult]:
+    """The claims of a file run again at its `replication:` first seeds: each read once, at
+    all the seeds those runs train."""
+    again = dataclasses.replace(sweep, seeds=list(sweep.replication))
+    out = _read_stage(file, again, root, records_dir, replication=tuple(sweep.replication))
+    for result in out:
         seeds = {(r["arm"], r["seed"]) for r in result.records}
         per_arm = max([sum(1 for a, _ in seeds if a == arm) for arm, _ in seeds], default=0)
         per_run = sweep.parameters.get("seeds", 1)
         planned = len(sweep.replication) * (per_run if isinstance(per_run, int) else 1)
         result.looks = (max(per_arm or planned, 2),)
-        out.append(result)
     return out
 
 
@@ -375,20 +378,12 @@ def _confirmatory(file: Path, sweep, root: Path, records_dir) -> list[ClaimResul
     frozen says so (`confirm.changed_since_frozen`)."""
     stage = sweep.confirmatory
     changes = {k: v for k, v in stage.parameters.items() if sweep.parameters.get(k) != v}
-    runs = plan(stage, root)
-    done = [run for run in runs if run.status == "done"]
-    facts = _facts(done)
-    records = _records(done, facts, _watches(stage))
-    out = []
-    for claim in stage.claims:
-        result = ClaimResult(file, claim, runs_done=len(done), runs_total=len(runs),
-                             records=list(records), confirmatory=True,
-                             changed_settings=changes)
-        _finish(result, done, facts, records_dir)
+    out = _read_stage(file, stage, root, records_dir, confirmatory=True,
+                      changed_settings=changes)
+    for result in out:
         if records_dir is not None:
-            result.changed = confirm.changed_since_frozen(records_dir, file.stem, claim,
+            result.changed = confirm.changed_since_frozen(records_dir, file.stem, result.claim,
                                                           stage.parameters, stage.grid)
-        out.append(result)
     return out
 
 
