@@ -7,7 +7,8 @@ reserved for confirmatory runs (those from `TUNE_FROM` to below it for tuning sw
 confirmatory run whose `fingerprint` (every TrainConfig field but where and how it is shown,
 `NOT_FINGERPRINTED`, seed included) matches a run already in a per-seed record
 (docs/findings/*.csv, their `fingerprint` column) is refused before any run starts, with
-one line naming both.
+one line naming both: another claim file's confirmatory run of the same arm at the same
+seed too (the same data, not new evidence), so each file's `confirmatory:` seeds lie apart.
 """
 
 from __future__ import annotations
