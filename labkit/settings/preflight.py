@@ -77,7 +77,7 @@ def _check_causal_lm(model: str, config_file: Path) -> None:
         kind = json.loads(config_file.read_text(encoding="utf-8")).get("model_type")
     except (OSError, ValueError) as e:
         raise ValueError(f"model={model!r}: its config.json cannot be read ({e})") from None
-    if kind not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+    if kind is not None and kind not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:  # none: the loader
         raise ValueError(f"model={model!r}: its config.json names model_type {kind!r}, not a "
                          "causal LM (transformers' AutoModelForCausalLM takes llama, qwen2, "
                          "mistral, gpt2, ...)")
