@@ -175,11 +175,7 @@ def continuations(parent: str | Path, at: int, changes: dict, seeds: int, *,
     if not changes:
         raise ValueError("--seeds pairs a change with the unchanged continuation: give the "
                          "change with --set FIELD=VALUE")
-    parent = Path(parent)
-    for key in changes:  # refused before any run
-        if key in IMMUTABLE:
-            raise ValueError(f"a fork cannot change {key}: {IMMUTABLE[key]}")
-    checkpoint_at(parent, at)
+    parent = Path(parent)  # the first fork's `prepare` refuses a bad change or step first
     out = Path(out) if out is not None else parent.with_name(f"{parent.name}-fork{at}")
     found = []
     for c in range(seeds):

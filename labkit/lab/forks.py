@@ -65,11 +65,6 @@ def where_to_fork(run_dir: str | Path) -> tuple[int, str]:
     return kept[-1], f"the last kept checkpoint before its first warning, at step {step}: {why}"
 
 
-def final_accuracy(result) -> float:
-    """A run's last held-out accuracy."""
-    return result.accuracy_after
-
-
 def run_fork_command(args) -> int:
     """`python -m labkit fork RUN --at STEP|auto --set FIELD=VALUE ... [--seeds N]`."""
     changes = forking.parse_changes(args.set)
@@ -85,16 +80,16 @@ def run_fork_command(args) -> int:
     if args.seeds is None:
         result = forking.fork(args.run, at, changes, out=args.out, steps=args.steps)
         print(result.run_dir)
-        print(f"accuracy after the fork: {final_accuracy(result):.3f}")
+        print(f"accuracy after the fork: {result.accuracy_after:.3f}")
         return 0
     found = forking.continuations(args.run, at, changes, args.seeds, out=args.out,
                                   steps=args.steps)
     print("continuation  changed  unchanged")
     for c, changed, same in found:
-        print(f"{c:>12}  {final_accuracy(changed):7.3f}  {final_accuracy(same):9.3f}")
+        print(f"{c:>12}  {changed.accuracy_after:7.3f}  {same.accuracy_after:9.3f}")
     if len(found) > 1:
-        diff = stats.paired_interval([final_accuracy(a) for _, a, _ in found],
-                                     [final_accuracy(b) for _, _, b in found])
+        diff = stats.paired_interval([a.accuracy_after for _, a, _ in found],
+                                     [b.accuracy_after for _, _, b in found])
         print(f"changed - unchanged, final accuracy: {diff.format()} ({diff.method}; "
               "exploratory)")
     return 0

@@ -48,12 +48,6 @@ def slug(sets: dict[str, str]) -> str:
     return "on-" + "-".join(re.sub(r"[^A-Za-z0-9._-]+", "_", p) for p in parts if p)
 
 
-def title(sets: dict[str, str]) -> str:
-    """'model /path/x, task gsm8k': what the page's title names."""
-    return ", ".join(f"{k} {v}" for k, v in sets.items() if k in ("model", "task")) or \
-        ", ".join(f"{k}={v}" for k, v in sets.items())
-
-
 def own_settings(sweep) -> dict[str, object]:
     """The TrainConfig fields a claim sweep sets itself: its parameters, its grid's, its
     arms' and its `extra`'s (an arm or extra naming a field wins over a parameter)."""
