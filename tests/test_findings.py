@@ -84,7 +84,9 @@ def test_page_from_finished_runs(finished):
     assert "**inconclusive at this budget**" in wide and "1.00 [-1.00, 3.00]" in wide
     assert "**supported**" in clear and "paired t over 3 seeds" in clear
     assert "**refuted**" in wrong  # the verdict comes from the interval, not the stored label
-    assert "0 h of runs, 90 min" in text and text.count("AVX2, 1 thread") == 1  # said once
+    compute = (out.with_suffix("") / "compute.md").read_text()  # linked from the page
+    assert "[compute](findings/compute.md)" in text
+    assert "0 h of runs, 90 min" in compute and compute.count("AVX2, 1 thread") == 1  # once
     # a claim with no finished run is listed, not left out: 01_cost's claim 1 is restated,
     # so it is listed under the table as an earlier statement, naming the file that restates it
     earlier = ("- 1 (01_cost.yaml): memory_ratio (ppo vs grpo) above 1.25: not measured yet; "
@@ -98,9 +100,10 @@ def test_page_from_finished_runs(finished):
     assert "gain above 0" in seven and "clear: 1.25 [0.50, 2.00]" in seven
     assert "| **supported**: clear: 1.25 [0.50, 2.00]; 3 of 5 seeds |" in seven
     assert seven.endswith("| not run yet | - |")  # the file has no confirmatory stage
-    assert "- 7: `07_fixture`; 1 of 1 batches, 1.00 h of runs, 90 min" in text
-    assert "`python -m labkit findings --all [--confirmatory] --only FILE` runs it" in text
-    assert "The whole suite took 1.50 h of wall time (1 sweep," in text  # 01_cost not run
+    assert "- 7: `07_fixture`; 1 of 1 batches, 1.00 h of runs, 90 min" in compute
+    assert "`python -m labkit findings --all [--confirmatory] --only FILE` runs it" in compute
+    assert "The whole suite took 1.50 h of wall time (1 sweep," in compute  # 01_cost not run
+    assert "The whole suite took 1.50 h of wall time;" in text
 
 
 def test_the_claims_of_one_file_share_one_command_line(finished):
@@ -109,7 +112,7 @@ def test_the_claims_of_one_file_share_one_command_line(finished):
     (claims / "17_dpo.yaml").write_text(text.replace("../../notebooks/",
                                                      str(REPO / "notebooks") + "/"))
     findings.write_findings(out, claims, root)
-    page = out.read_text().split("## Commands and compute")[1]
+    page = (out.with_suffix("") / "compute.md").read_text()
     lines = [line for line in page.splitlines() if "`17_dpo`" in line]
     assert len(lines) == 1 and lines[0].startswith("- 17, 19, 20, 22: ")
     every = (out.with_suffix("") / "17_dpo.md").read_text()  # one row for what they share
@@ -241,7 +244,8 @@ def test_a_factorial_claims_smoke_sweep_feeds_two_claims(tmp_path):
     assert len(rows) == len(four) + len(eight)
     assert all(any(f"**{v}**" in row for v in stats.VERDICTS) or "**comparator collapsed on "
                in row for row in rows)
-    assert f"{torch.backends.cpu.get_cpu_capability()}, 1 thread" in page.read_text()
+    assert f"{torch.backends.cpu.get_cpu_capability()}, 1 thread" in \
+        (page.with_suffix("") / "compute.md").read_text()
 
 
 def test_the_page_decides_a_claim_from_its_per_seed_csv_once_its_runs_are_gone(finished):
@@ -272,7 +276,8 @@ def test_the_page_decides_a_claim_from_its_per_seed_csv_once_its_runs_are_gone(f
     shutil.rmtree(root / "claim_fixture")  # the runs are gone; the CSV stays
     findings.write_findings(out, claims, root)
     assert glance_line(out.read_text()).split(" | ")[4:] == before.split(" | ")[4:]
-    assert "1 of 1 batches" in out.read_text() and "Every run on AVX2" in out.read_text()
+    compute = (out.with_suffix("") / "compute.md").read_text()
+    assert "1 of 1 batches" in compute and "Every run on AVX2" in compute
 
 
 def test_a_claim_decided_by_a_finding_keeps_it_once_its_runs_are_gone(finished):
@@ -332,7 +337,7 @@ def test_a_replication_is_read_once_at_its_fresh_seeds_beside_the_original(finis
     rows = (out.with_suffix("") / "07_fixture-replication.csv").read_text().splitlines()
     assert len(rows) == 11 and all(r.split(",")[2] in {str(s) for s in range(100, 105)}
                                    for r in rows[1:])
-    assert "- 7 (replication): `07_fixture`" in out.read_text()
+    assert "- 7 (replication): `07_fixture`" in (out.with_suffix("") / "compute.md").read_text()
     # a replication's seeds must lie apart from the original's, and it needs a claim
     fixture.write_text(fixture.read_text().replace("replication: [100]", "replication: [2]"))
     with pytest.raises(ValueError, match="seeds \\+ replication"):

@@ -109,6 +109,8 @@ def test_no_zero_width_interval_and_bounded_accuracies():
     ((-0.3, -0.1), "two-sided", None, stats.SUPPORTED),
     ((-0.1, 0.1), "two-sided", None, stats.INCONCLUSIVE),
     ((-0.1, 0.1), "two-sided", 0.2, stats.REFUTED),
+    ((0.1, 0.3), "two-sided", 0.5, stats.REFUTED),  # tells from 0, yet too small to matter
+    ((0.1, 0.6), "two-sided", 0.5, stats.SUPPORTED),  # tells from 0, may pass the margin
     ((-0.1, 0.1), "equivalent", 0.2, stats.SUPPORTED),
     ((-0.1, 0.3), "equivalent", 0.2, stats.INCONCLUSIVE),
     ((0.25, 0.4), "equivalent", 0.2, stats.REFUTED),
@@ -328,3 +330,14 @@ def test_the_exact_test_holds_a_paired_collapse_at_its_level_for_every_null_tabl
             assert rate <= side, (discordant, both, rate)
             interval_only = max(interval_only, by_interval)
     assert interval_only == pytest.approx(1 / 16)
+
+
+def test_a_two_sided_binary_claim_is_refuted_by_its_margin_without_an_exact_side():
+    """60 paired seeds with the same outcome on each: no discordant seed, so McNemar's test
+    decides no side, yet Newcombe's interval lies well inside +-0.3: the difference the claim
+    asserts is too small to matter."""
+    same = [1] * 30 + [0] * 30
+    found = stats_design.paired_binary(same, same)
+    assert -0.3 < found.interval.low and found.interval.high < 0.3
+    assert stats_design.decide_binary(found, "two-sided", 0.0, 0.3) == stats.REFUTED
+    assert stats_design.decide_binary(found, "two-sided") == stats.INCONCLUSIVE

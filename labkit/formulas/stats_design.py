@@ -35,9 +35,10 @@ def decide(interval: Interval, direction: str, threshold: float = 0.0,
            margin: float | None = None) -> str:
     """The verdict of a claim stated as `direction` (DIRECTIONS) about `threshold`.
 
-    above / below: `verdict`. two-sided (the effect differs from the threshold): supported
-    when the interval excludes it; refuted when the interval lies within +-margin of it (a
-    difference too small to matter, where a margin is given); else inconclusive.
+    above / below: `verdict`. two-sided (the effect differs from the threshold): refuted
+    when the interval lies within +-margin of it (a difference too small to matter, where a
+    margin is given, even one the interval tells from the threshold); else supported when the
+    interval excludes it; else inconclusive.
     equivalent (the effect lies within +-margin of the threshold): supported when the
     interval lies inside; refuted when the whole of it lies outside; else inconclusive. Two
     one-sided tests at level a read the (1 - 2a) interval (`tost_interval`)."""
@@ -52,9 +53,10 @@ def decide(interval: Interval, direction: str, threshold: float = 0.0,
     inside = margin is not None and threshold - margin < interval.low \
         and interval.high < threshold + margin
     if direction == "two-sided":
-        if interval.low > threshold or interval.high < threshold:
-            return SUPPORTED
-        return REFUTED if inside else INCONCLUSIVE
+        if inside:
+            return REFUTED
+        excludes = interval.low > threshold or interval.high < threshold
+        return SUPPORTED if excludes else INCONCLUSIVE
     if inside:
         return SUPPORTED
     outside = interval.low >= threshold + margin or interval.high <= threshold - margin
@@ -269,9 +271,12 @@ def decide_binary(found: PairedBinary, direction: str, threshold: float = 0.0,
     must confirm where the claim is against no difference (threshold 0): a side is decided
     only when McNemar's exact one-sided p on that side is at most the interval's one-sided
     level, (1 - confidence) / 2. So 5 of 5 seeds discordant (p = 1/32) decides nothing at a
-    look that spends 0.0155 a side, whatever the interval says."""
+    look that spends 0.0155 a side, whatever the interval says. A two-sided claim refuted by
+    its margin (a difference too small to matter) reads no side and needs no exact test."""
     verdict = decide(found.interval, direction, threshold, margin)
     if threshold != 0 or direction == "equivalent" or verdict == INCONCLUSIVE:
+        return verdict
+    if direction == "two-sided" and verdict == REFUTED:
         return verdict
     alpha = (1 - found.interval.confidence) / 2
     up, down = exact_sides(found.only_a, found.only_b)

@@ -373,9 +373,35 @@ def render(results: list[ClaimResult], commit: str | None, smoke: bool = False,
               + ".", ""]
     lines += ["Each claim file's page also says how to read its findings (the claims' notes) "
               "and draws each finding's effect with its interval.", ""]
-    lines += ["", "## Commands and compute", ""]
-    sweeps = {r.record_name: r.elapsed_s for r in results  # a file answering two claims ran once
-              if r.runs_done}
+    hours = sum(_sweeps(results).values()) / 3600
+    lines += ["", "## Commands and compute", "",
+              f"The whole suite took {hours:.2f} h of wall time; each claim file's command, "
+              "batches, commits, machine and wall time are on their own page: "
+              f"[compute]({figures_dir}/{COMPUTE_PAGE}).", ""]
+    return "\n".join(lines) + "\n"
+
+
+COMPUTE_PAGE = "compute.md"
+"""The page of every claim file's command, batches, commits, machine and wall time, in the
+folder beside the findings page."""
+
+
+def _sweeps(results: list[ClaimResult]) -> dict[str, float]:
+    """Each sweep run's elapsed seconds, once (a file answering two claims ran once)."""
+    return {r.record_name: r.elapsed_s for r in results if r.runs_done}
+
+
+def render_compute(results: list[ClaimResult], commit: str | None, smoke: bool = False,
+                   on: dict[str, str] | None = None) -> str:
+    """The commands and compute of the findings page's claims: one line per claim file and
+    stage, with its batches, commits, training runs' wall time and elapsed time, the machine
+    said once where every run shared it."""
+    flag = (" --smoke" if smoke else "") + "".join(f" --set {k}={v}"
+                                                   for k, v in (on or {}).items())
+    lines = ["# Commands and compute", "",
+             "Generated with docs/findings.md by `python -m labkit findings` (at commit "
+             f"`{commit or 'unknown'}`).", ""]
+    sweeps = _sweeps(results)
     lines += [f"The whole suite took {sum(sweeps.values()) / 3600:.2f} h of wall time "
               f"({len(sweeps)} sweep{'s' * (len(sweeps) != 1)}, one after another, each "
               "running its training runs in parallel worker processes). Each line: the claims, "
