@@ -152,6 +152,14 @@ def test_the_page_sets_each_claims_confirmatory_verdict_beside_its_exploratory_o
     assert seed["why they differ"].endswith(" the exploratory interval " +
                                             agree["exploratory"].split(": ")[2].split(";")[0]
                                             .split(" ", 1)[1])
+    ten = {**claim, "preregistered": {**claim["preregistered"], "seeds": 10}}
+    early = ClaimResult(Path("06.yaml"), ten, records=[r for r in records(0, 0.0)])
+    later = ClaimResult(Path("06.yaml"), ten, confirmatory=True, records=[
+        {**r, "seed": r["seed"] + 5 * k} for k in (0, 1) for r in records(1000, 0.05)])
+    (grown,) = row(early, later)
+    assert grown["why they differ"].startswith(
+        "more seeds: the exploratory verdict stood at 5 of its 10 planned seeds (its later "
+        "looks not run), the confirmatory at 10; the confirmatory estimate 5.")
     (comparator,) = row(explored, tuned)
     assert comparator["why they differ"].startswith("a tuned comparator: each arm at its "
                                                     "tuned settings (t.json)")

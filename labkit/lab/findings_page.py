@@ -168,7 +168,8 @@ def flip_reason(explored: ClaimResult, explored_row: dict, confirmed: ClaimResul
     """Why a claim's confirmatory verdict differs from its exploratory one, in words: a plan
     changed after it froze, the settings the confirmatory run changed (a tuned comparator),
     a comparator that collapsed in one and not the other, a positive control that moved the
-    measure in one only, else a seed effect (the same plan and settings at fresh seeds);
+    measure in one only, more seeds where the exploratory verdict stood before its plan's
+    last look, else a seed effect (the same plan and settings at fresh seeds);
     'agree' where the verdicts are the same."""
     if confirmed.changed:
         return confirmed.changed
@@ -188,11 +189,24 @@ def flip_reason(explored: ClaimResult, explored_row: dict, confirmed: ClaimResul
         if verdict == NOT_TESTABLE:
             reasons.append(f"the positive control did not move the measure in the {where} "
                            "runs")
+    overlap = _overlap(explored_row["decisive figure [CI]"], confirmed_row["decisive figure [CI]"])
+    run, planned = _seeds(explored_row)
+    more, _ = _seeds(confirmed_row)
+    if not reasons and run < planned and more > run:
+        reasons.append(f"more seeds: the exploratory verdict stood at {run} of its {planned} "
+                       f"planned seeds (its later looks not run), the confirmatory at {more}"
+                       + overlap)
     if not reasons:
-        reasons.append("a seed effect: the same plan and settings at fresh seeds"
-                       + _overlap(explored_row["decisive figure [CI]"],
-                                  confirmed_row["decisive figure [CI]"]))
+        reasons.append("a seed effect: the same plan and settings at fresh seeds" + overlap)
     return "; ".join(reasons)
+
+
+def _seeds(row: dict) -> tuple[int, int]:
+    """The seeds a glance row ran and planned, from its '5 (10), exploratory'."""
+    import re
+
+    found = re.match(r"(\d+) \((\d+)\)", str(row.get("seeds (planned)", "")))
+    return (int(found.group(1)), int(found.group(2))) if found else (0, 0)
 
 
 def _overlap(explored: str, confirmed: str) -> str:
