@@ -231,3 +231,34 @@ def test_a_field_added_later_leaves_the_recorded_fingerprints_as_they_were():
     assert confirm.fingerprint(config) == before
     assert confirm.fingerprint(dataclasses.replace(config, chat_template=False)) != before
     assert confirm.fingerprint(dataclasses.replace(config, continuation_seed=2)) != before
+
+
+def test_a_claim_reads_only_its_planned_looks_where_its_file_ran_more():
+    """A file whose other claim plans 10 seeds runs two looks; a claim of it that plans 5 is
+    read from its first look's findings alone (the second's, which refute it, are not its
+    data), and its row counts the 5 seeds it read."""
+    from pathlib import Path
+
+    from labkit.lab.claims import ClaimResult, claim_verdict
+    from labkit.lab.findings_page import glance_rows
+
+    claim = {"id": 3, "statement": "the formula predicts the share", "preregistered": {
+        "article": "the article's words", "measure": "informative_share_error",
+        "finding": "overstates", "direction": "equivalent", "threshold": 0, "margin": 5,
+        "seeds": 5}}
+
+    def row(first: int, mean: float) -> dict:
+        return {"run": f"seed={first}", "question": "the formula overstates the share",
+                "measure": "points", "effect": f"{mean:.2f}", "seeds": 5, "method": "t",
+                "verdict": "", "mean": mean, "low": mean - 1, "high": mean + 1,
+                "threshold": 0, "direction": "equivalent"}
+
+    records = [{"sweep_run": "x", "arm": "g2", "seed": s} for s in range(10)]
+    result = ClaimResult(Path("03.yaml"), claim, rows=[row(0, 1.0), row(5, 20.0)],
+                         records=records)
+    decided = claim_verdict(result)
+    assert decided.verdict == "supported" and "20.00" not in decided.figure
+    assert glance_rows([result])[0]["seeds (planned)"].startswith("5 (5), ")
+    both = ClaimResult(Path("03.yaml"), {**claim, "preregistered": {
+        **claim["preregistered"], "seeds": 10}}, rows=result.rows, records=records)
+    assert claim_verdict(both).verdict == "refuted"  # at 10 planned seeds both looks count

@@ -148,7 +148,8 @@ def _verdict(result: ClaimResult, prereg: preregistration.Preregistration) -> Cl
         return ClaimVerdict(test, f"{PER_SEED} (every arm against {prereg.compare[1]}, "
                                   "Bonferroni)", stats.INCONCLUSIVE)
     words = [prereg.finding] if prereg.finding else []
-    rows = [row for row in result.rows
+    rows = [row for row in _within_plan(result.rows, result.records,
+                                        plan_of(prereg, result.looks).looks[-1])
             if all(w in row["question"] for w in words + list(prereg.compare))]
     if not words and not prereg.compare or not rows:
         return ClaimVerdict(test, NOT_MEASURED, stats.INCONCLUSIVE)
@@ -216,6 +217,24 @@ def _table(records: list[dict], key: str, scale: float) -> dict[str, dict[int, f
 def _arm(table: dict, name: str) -> str | None:
     """The record's arm that a preregistered name means ('G=4' is 'samples/G=4')."""
     return next((a for a in table if a == name or a.endswith("/" + name)), None)
+
+
+def _within_plan(rows: list[dict], records: list[dict], planned: int) -> list[dict]:
+    """The finding rows of the sweep runs whose seeds lie within the claim's planned ones
+    (the first `planned` seeds of its record): a file that ran more looks for another of its
+    claims does not lend them to this one. A row of no one run ('seed=N' names a run by its
+    first seed) is kept."""
+    seeds = sorted({int(r["seed"]) for r in records if str(r.get("seed", "")).lstrip("-").isdigit()})
+    if len(seeds) <= planned:
+        return rows
+    kept = set(seeds[:planned])
+
+    def inside(row: dict) -> bool:
+        run = str(row.get("run") or "")
+        first = run.removeprefix("seed=")
+        return not (run.startswith("seed=") and first.isdigit()) or int(first) in kept
+
+    return [row for row in rows if inside(row)]
 
 
 def plan_of(prereg, looks: tuple[int, ...] | None = None) -> stats_design.SequentialPlan:

@@ -72,6 +72,7 @@ def glance_rows(results: list[ClaimResult]) -> list[dict]:
         seeds = max([len(v) for v in per_arm.values()] if per_arm
                     else [row["seeds"] for row in r.rows], default=0)
         planned = r.looks[-1] if r.looks else r.claim["preregistered"]["seeds"]
+        seeds = min(seeds, int(planned))  # a file's later looks for another claim: not read
         # confirmatory only where every run used the reserved seeds (labkit.lab.confirm)
         ranges = {confirm.seed_range(int(rec["seed"])) for rec in r.records}
         kind = "confirmatory" if ranges == {"confirmatory"} and not r.changed else (
