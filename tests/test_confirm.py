@@ -167,7 +167,11 @@ def test_the_page_sets_each_claims_confirmatory_verdict_beside_its_exploratory_o
     assert waiting["confirmatory"] == "not run yet" and waiting["why they differ"] == "-"
     text = summary_paragraph([agree, seed, waiting])
     assert text.startswith("Of 3 claims, 2 have a confirmatory verdict: 1 inconclusive, "
-                           "1 supported; 1 is not run at confirmatory seeds yet")
+                           "1 supported; 1 is not run at confirmatory seeds yet, its "
+                           "exploratory verdict standing")
+    every = summary_paragraph([agree, seed])
+    assert every.startswith("Of 2 claims, 2 have a confirmatory verdict: 1 inconclusive, "
+                            "1 supported. Verdicts that changed") and "not run" not in every
     assert "Verdicts that changed at confirmatory seeds: 6 (supported -> " in text
 
 

@@ -263,10 +263,13 @@ def summary_paragraph(pairs: list[dict], on: bool = False) -> str:
     flips = [f"{p['claim'].split('.')[0]} ({p['exploratory verdict']} -> "
              f"{p['confirmatory verdict']})" for p in run
              if verdict_kind(p["confirmatory verdict"]) != verdict_kind(p["exploratory verdict"])]
+    waiting = len(pairs) - len(run)
     text = (f"Of {len(pairs)} claims, {len(run)} have a confirmatory verdict"
-            + (f": {said}" if said else "") + f"; {len(pairs) - len(run)} "
-            f"{'is' if len(pairs) - len(run) == 1 else 'are'} not run at "
-            "confirmatory seeds yet, their exploratory verdicts standing as exploratory. ")
+            + (f": {said}" if said else "")
+            + ("; 1 is not run at confirmatory seeds yet, its exploratory verdict standing "
+               "as exploratory. " if waiting == 1 else
+               f"; {waiting} are not run at confirmatory seeds yet, their exploratory "
+               "verdicts standing as exploratory. " if waiting else ". "))
     text += (f"Verdicts that changed at confirmatory seeds: {'; '.join(flips)}." if flips
              else "No verdict changed at confirmatory seeds." if run else "")
     return text.strip()
