@@ -224,7 +224,7 @@ def _within_plan(rows: list[dict], records: list[dict], planned: int) -> list[di
     (the first `planned` seeds of its record): a file that ran more looks for another of its
     claims does not lend them to this one. A row of no one run ('seed=N' names a run by its
     first seed) is kept."""
-    seeds = sorted({int(r["seed"]) for r in records if str(r.get("seed", "")).lstrip("-").isdigit()})
+    seeds = sorted({int(r["seed"]) for r in records})
     if len(seeds) <= planned:
         return rows
     kept = set(seeds[:planned])

@@ -83,6 +83,7 @@ def glance_rows(results: list[ClaimResult]) -> list[dict]:
                     else r.claim["preregistered"]["article"],
                     "preregistered test": decided.test,
                     "seeds (planned)": f"{seeds} ({planned}), {kind}",
+                    "seeds run": seeds, "seeds planned": int(planned),
                     "decisive figure [CI]": decided.figure,
                     "80% power: effect / seeds": decided.mde or "-",
                     "verdict": decided.verdict})
@@ -191,8 +192,8 @@ def flip_reason(explored: ClaimResult, explored_row: dict, confirmed: ClaimResul
             reasons.append(f"the positive control did not move the measure in the {where} "
                            "runs")
     overlap = _overlap(explored_row["decisive figure [CI]"], confirmed_row["decisive figure [CI]"])
-    run, planned = _seeds(explored_row)
-    more, _ = _seeds(confirmed_row)
+    run, planned = explored_row["seeds run"], explored_row["seeds planned"]
+    more = confirmed_row["seeds run"]
     if not reasons and run < planned and more > run:
         reasons.append(f"more seeds: the exploratory verdict stood at {run} of its {planned} "
                        f"planned seeds (its later looks not run), the confirmatory at {more}"
@@ -200,14 +201,6 @@ def flip_reason(explored: ClaimResult, explored_row: dict, confirmed: ClaimResul
     if not reasons:
         reasons.append("a seed effect: the same plan and settings at fresh seeds" + overlap)
     return "; ".join(reasons)
-
-
-def _seeds(row: dict) -> tuple[int, int]:
-    """The seeds a glance row ran and planned, from its '5 (10), exploratory'."""
-    import re
-
-    found = re.match(r"(\d+) \((\d+)\)", str(row.get("seeds (planned)", "")))
-    return (int(found.group(1)), int(found.group(2))) if found else (0, 0)
 
 
 def _overlap(explored: str, confirmed: str) -> str:
@@ -327,13 +320,17 @@ def write_figures(results: list[ClaimResult], folder: str | Path) -> dict[str, s
     return written
 
 
+def _flag(smoke: bool, on: dict[str, str] | None) -> str:
+    """The flags that regenerate a page: ' --smoke --set model=DIR ...'."""
+    return (" --smoke" if smoke else "") + "".join(f" --set {k}={v}" for k, v in (on or {}).items())
+
+
 def render(results: list[ClaimResult], commit: str | None, smoke: bool = False,
            figures_dir: str = "findings", on: dict[str, str] | None = None) -> str:
     """The findings page as markdown (each claim file's notes and figures are on its own
     page, `render_every`); `on`: the fields a `--set` re-pointed the claims at, named in the
     title and the commands, with the claims that could not run there and why."""
-    flag = (" --smoke" if smoke else "") + "".join(f" --set {k}={v}"
-                                                   for k, v in (on or {}).items())
+    flag = _flag(smoke, on)
     head = "# Findings" + (f" on {', '.join(f'{k} {v}' for k, v in on.items() if k in ('model', 'task')) or 'your settings'}" if on else "")
     lines = [head, "",
              "Claims of the source articles and of the field's variants, each run as an "
@@ -414,8 +411,7 @@ def render_compute(results: list[ClaimResult], commit: str | None, smoke: bool =
     """The commands and compute of the findings page's claims: one line per claim file and
     stage, with its batches, commits, training runs' wall time and elapsed time, the machine
     said once where every run shared it."""
-    flag = (" --smoke" if smoke else "") + "".join(f" --set {k}={v}"
-                                                   for k, v in (on or {}).items())
+    flag = _flag(smoke, on)
     lines = ["# Commands and compute", "",
              "Generated with docs/findings.md by `python -m labkit findings` (at commit "
              f"`{commit or 'unknown'}`).", ""]
