@@ -88,12 +88,17 @@ def test_page_from_finished_runs(finished):
     assert "[compute](findings/compute.md)" in text
     assert "0 h of runs, 90 min" in compute and compute.count("AVX2, 1 thread") == 1  # once
     # a claim with no finished run is listed, not left out: 01_cost's claim 1 is restated,
-    # so it is listed under the table as an earlier statement, naming the file that restates it
+    # so it is listed on the earlier statements' page, naming the file that restates it,
+    # and the page links that list below the table
     earlier = ("- 1 (01_cost.yaml): memory_ratio (ppo vs grpo) above 1.25: not measured yet; "
                "0 of 10 seeds, ")
-    assert earlier + "**inconclusive at this budget**; restated in 01_tensor_memory.yaml" in text
+    listed = (out.with_suffix("") / "earlier.md").read_text()
+    assert earlier + "**inconclusive at this budget**; restated in 01_tensor_memory.yaml" in listed
+    assert earlier not in text
     assert "not run yet (0 of 2 runs)" in (out.with_suffix("") / "01_cost.md").read_text()
-    assert text.index("| 7. ") < text.index(earlier)
+    link = "Earlier statements of claims 1, each restated in another file and decided there: " \
+           "[earlier statements](findings/earlier.md)."
+    assert text.index("| 7. ") < text.index(link) < text.index("## Every finding")
     # one claim-level verdict per claim, from its preregistered primary measure
     (seven,) = [line for line in glance.splitlines() if line.startswith("| 7.")]
     assert "the article's own words, with its number" in seven
@@ -237,8 +242,9 @@ def test_a_factorial_claims_smoke_sweep_feeds_two_claims(tmp_path):
     per_arm = len({r["seed"] for r in results[4].records})
     (four_line,) = [line for line in glance.splitlines() if line.startswith("| 4.")]
     assert f"; {per_arm} of 10 seeds |" in four_line  # seeds per arm, not runs
-    # claim 8's first statement is restated (08_monitors.yaml): listed under the table
-    (eight_line,) = [line for line in glance.splitlines() if line.startswith("- 8 ")]
+    # claim 8's first statement is restated (08_monitors.yaml): listed on its own page
+    listed = (page.with_suffix("") / "earlier.md").read_text()
+    (eight_line,) = [line for line in listed.splitlines() if line.startswith("- 8 ")]
     assert eight_line.startswith("- 8 (04_stability.yaml): monitor_youden above 0; control: ")
     assert eight_line.endswith("restated in 08_monitors.yaml")
     rows = [line for line in every.splitlines() if line.startswith(("| 4 |", "| 8 |"))]

@@ -231,7 +231,7 @@ def test_the_claims_run_on_a_model_folder_on_a_page_of_their_own(folders, tmp_pa
     for claim in ("11", "12", "13"):
         assert "**not run here**: its runs set task=think themselves" in rows[claim]
     assert "**not run here**: its own settings do not hold there: scratchpad=True is for " \
-           "task='arithmetic'" in text  # 05_length_and_shaping's earlier statements
+           "task='arithmetic'" in text  # claim 5's row: 05_length_rate's scratchpad
     configs = [json.loads(p.read_text())["config"] for p in root.rglob("config.json")
                if "config" in json.loads(p.read_text())]
     assert configs and {c["model"] for c in configs} == {str(folders["qwen2"])}

@@ -29,8 +29,8 @@ from labkit.formulas import stats
 from labkit.lab import confirm, questions, retarget, verdicts
 from labkit.lab.claims import ClaimResult, claim_verdict
 from labkit.lab.experiments import project_root
-from labkit.lab.findings_page import (COMPUTE_PAGE, render, render_compute, render_every,
-                                     write_figures)
+from labkit.lab.findings_page import (COMPUTE_PAGE, EARLIER_PAGE, render, render_compute,
+                                      render_earlier, render_every, write_figures)
 from labkit.lab.sweeps import load_sweep, plan, run_sweep
 from labkit.run.rundir import RUNS_ROOT, git_commit, read_log
 
@@ -516,4 +516,5 @@ def write_findings(out: str | Path = FINDINGS_PAGE, claims_dir: str | Path = CLA
         (folder / name).write_text(page, encoding="utf-8")
     (folder / COMPUTE_PAGE).write_text(render_compute(results, commit, smoke, sets),
                                        encoding="utf-8")
+    (folder / EARLIER_PAGE).write_text(render_earlier(results, commit), encoding="utf-8")
     return out

@@ -366,20 +366,11 @@ def render(results: list[ClaimResult], commit: str | None, smoke: bool = False,
     for row in pairs:
         lines.append("| " + " | ".join(_cell(row[c]) for c in SIDE_BY_SIDE) + " |")
     lines += replication_lines(results, glance)
-    rows = {(r.file, r.claim.get("id"), r.order): (r, g) for r, g in zip(results, glance)}
-    earlier = []
-    for r, row in zip(results, glance):
-        if r.claim.get("restated") and r.order == 0:  # listed below the table
-            c, cg = rows.get((r.file, r.claim.get("id"), 2), (None, None))
-            again = (f"; confirmatory: {_short(cg)}, **{cg['verdict']}**"
-                     if c is not None and c.records else "")
-            earlier.append(f"- {r.claim.get('id', '?')} ({r.file.name}): "
-                           f"{row['preregistered test']}: {_short(row)}, "
-                           f"**{row['verdict']}**{again}; restated in "
-                           f"{str(r.claim['restated']).split(' (')[0]}")
+    earlier = earlier_lines(results, glance)
     if earlier:
-        lines += ["", "Earlier statements, each restated in the file it names (their "
-                      "findings are on their files' pages):", "", *earlier]
+        ids = ", ".join(dict.fromkeys(line[2:].split(" ")[0] for line in earlier))
+        lines += ["", f"Earlier statements of claims {ids}, each restated in another file "
+                      f"and decided there: [earlier statements]({figures_dir}/{EARLIER_PAGE})."]
     pages = list(dict.fromkeys(every_page(r) for r in results))
     lines += ["", "## Every finding", "",
               "Each claim's findings, the decisive one and the context, with their intervals, "
@@ -395,6 +386,38 @@ def render(results: list[ClaimResult], commit: str | None, smoke: bool = False,
               f"[compute]({figures_dir}/{COMPUTE_PAGE}).", ""]
     return "\n".join(lines) + "\n"
 
+
+def earlier_lines(results: list[ClaimResult], glance: list[dict]) -> list[str]:
+    """One line per earlier statement of a claim (its file restates it elsewhere): the
+    statement's test, its exploratory and confirmatory verdicts, and the file restating it."""
+    rows = {(r.file, r.claim.get("id"), r.order): (r, g) for r, g in zip(results, glance)}
+    earlier = []
+    for r, row in zip(results, glance):
+        if r.claim.get("restated") and r.order == 0:
+            c, cg = rows.get((r.file, r.claim.get("id"), 2), (None, None))
+            again = (f"; confirmatory: {_short(cg)}, **{cg['verdict']}**"
+                     if c is not None and c.records else "")
+            earlier.append(f"- {r.claim.get('id', '?')} ({r.file.name}): "
+                           f"{row['preregistered test']}: {_short(row)}, "
+                           f"**{row['verdict']}**{again}; restated in "
+                           f"{str(r.claim['restated']).split(' (')[0]}")
+    return earlier
+
+
+def render_earlier(results: list[ClaimResult], commit: str | None) -> str:
+    """The page of the claims' earlier statements, linked from the findings page's table."""
+    return "\n".join(["# Earlier statements", "",
+                      "Generated with docs/findings.md by `python -m labkit findings` (at "
+                      f"commit `{commit or 'unknown'}`). Each line: a claim as its file first "
+                      "stated it, that statement's test and verdicts (exploratory, then "
+                      "confirmatory where run), and the file that restates it; the restated "
+                      "claim is the one the findings page decides. The findings are on the "
+                      "files' own pages.", "",
+                      *earlier_lines(results, glance_rows(results))]) + "\n"
+
+
+EARLIER_PAGE = "earlier.md"
+"""The page of the claims' earlier statements, beside the compute page."""
 
 COMPUTE_PAGE = "compute.md"
 """The page of every claim file's command, batches, commits, machine and wall time, in the
