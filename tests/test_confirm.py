@@ -170,7 +170,7 @@ def test_the_page_sets_each_claims_confirmatory_verdict_beside_its_exploratory_o
                            "1 supported; 1 is not run at confirmatory seeds yet, its "
                            "exploratory verdict standing")
     every = summary_paragraph([agree, seed])
-    assert every.startswith("Of 2 claims, 2 have a confirmatory verdict: 1 inconclusive, "
+    assert every.startswith("All 2 claims have a confirmatory verdict: 1 inconclusive, "
                             "1 supported. Verdicts that changed") and "not run" not in every
     assert "Verdicts that changed at confirmatory seeds: 6 (supported -> " in text
 

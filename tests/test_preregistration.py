@@ -164,6 +164,17 @@ def test_every_arm_against_one_is_decided_arm_by_arm_with_bonferroni():
     moved = claims.claim_verdict(claims.ClaimResult(Path("09.yaml"), claim,
                                                         records=_records(arms)))
     assert moved.verdict == stats.SUPPORTED and "rloo" in moved.figure
+    # one-sided, none supporting: the arm shown is the one nearest to supporting (highest
+    # low end), not the largest effect of the wrong sign
+    above = {"measure": "gain", "compare": ["all", "grpo"], "direction": "above",
+             "threshold": 0}
+    arms = {"grpo": [0.30, 0.31, 0.29, 0.30, 0.30],
+            "rloo": [0.305, 0.30, 0.30, 0.31, 0.30],  # a little above, its interval across 0
+            "dr_grpo": [0.10, 0.05, 0.12, 0.08, 0.11],  # far below
+            "none": [0.29, 0.30, 0.28, 0.30, 0.29]}  # a little below
+    near = claims.claim_verdict(claims.ClaimResult(
+        Path("10.yaml"), _result(above, []).claim, records=_records(arms)))
+    assert near.verdict == stats.INCONCLUSIVE and "; rloo: " in near.figure
 
 
 def test_a_paired_collapse_is_decided_by_its_exact_test():

@@ -407,7 +407,14 @@ def _every_arm(prereg, table: dict, base: str, seeds: list[int],
         verdict = stats.REFUTED
     else:
         verdict = stats.INCONCLUSIVE
-    top = max(found, key=lambda c: abs(c.interval.mean - prereg.threshold))
+    # shown: a supporting arm, else the arm nearest to supporting a one-sided claim (the
+    # highest low end above, the lowest high end below), else the largest effect
+    if prereg.direction == "above":
+        top = max(found, key=lambda c: c.interval.low)
+    elif prereg.direction == "below":
+        top = min(found, key=lambda c: c.interval.high)
+    else:
+        top = max(found, key=lambda c: abs(c.interval.mean - prereg.threshold))
     shown = next((c for c in found if verdicts[c.arm] == stats.SUPPORTED), top)
     return (f"{len(found)} arms vs {base}, Bonferroni; {shown.arm}: {shown.interval.format(2)}",
             verdict, shown.interval)

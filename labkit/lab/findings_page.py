@@ -257,7 +257,8 @@ def summary_paragraph(pairs: list[dict], on: bool = False) -> str:
              f"{p['confirmatory verdict']})" for p in run
              if verdict_kind(p["confirmatory verdict"]) != verdict_kind(p["exploratory verdict"])]
     waiting = len(pairs) - len(run)
-    text = (f"Of {len(pairs)} claims, {len(run)} have a confirmatory verdict"
+    text = ((f"All {len(pairs)} claims have a confirmatory verdict" if not waiting else
+             f"Of {len(pairs)} claims, {len(run)} have a confirmatory verdict")
             + (f": {said}" if said else "")
             + ("; 1 is not run at confirmatory seeds yet, its exploratory verdict standing "
                "as exploratory. " if waiting == 1 else
