@@ -29,8 +29,9 @@ from labkit.formulas import stats
 from labkit.lab import confirm, questions, retarget, verdicts
 from labkit.lab.claims import ClaimResult, claim_verdict
 from labkit.lab.experiments import project_root
-from labkit.lab.findings_page import (COMPUTE_PAGE, EARLIER_PAGE, render, render_compute,
-                                      render_earlier, render_every, write_figures)
+from labkit.lab.findings_page import (COMPUTE_PAGE, EARLIER_PAGE, glance_rows, render,
+                                      render_compute, render_earlier, render_every,
+                                      write_figures)
 from labkit.lab.sweeps import load_sweep, plan, run_sweep
 from labkit.run.rundir import RUNS_ROOT, git_commit, read_log
 
@@ -508,7 +509,8 @@ def write_findings(out: str | Path = FINDINGS_PAGE, claims_dir: str | Path = CLA
         except RuntimeError as e:
             print(f"warning: no figures: {e}", file=sys.stderr)
     commit = git_commit()
-    text = render(results, commit, smoke, out.with_suffix("").name, on=sets)
+    glance = glance_rows(results)  # the verdicts, read once for the page and the earlier one
+    text = render(results, commit, smoke, out.with_suffix("").name, on=sets, glance=glance)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text, encoding="utf-8")
     folder.mkdir(parents=True, exist_ok=True)
@@ -516,5 +518,5 @@ def write_findings(out: str | Path = FINDINGS_PAGE, claims_dir: str | Path = CLA
         (folder / name).write_text(page, encoding="utf-8")
     (folder / COMPUTE_PAGE).write_text(render_compute(results, commit, smoke, sets),
                                        encoding="utf-8")
-    (folder / EARLIER_PAGE).write_text(render_earlier(results, commit), encoding="utf-8")
+    (folder / EARLIER_PAGE).write_text(render_earlier(results, commit, glance), encoding="utf-8")
     return out

@@ -257,13 +257,13 @@ def summary_paragraph(pairs: list[dict], on: bool = False) -> str:
              f"{p['confirmatory verdict']})" for p in run
              if verdict_kind(p["confirmatory verdict"]) != verdict_kind(p["exploratory verdict"])]
     waiting = len(pairs) - len(run)
-    text = ((f"All {len(pairs)} claims have a confirmatory verdict" if not waiting else
-             f"Of {len(pairs)} claims, {len(run)} have a confirmatory verdict")
-            + (f": {said}" if said else "")
-            + ("; 1 is not run at confirmatory seeds yet, its exploratory verdict standing "
-               "as exploratory. " if waiting == 1 else
-               f"; {waiting} are not run at confirmatory seeds yet, their exploratory "
-               "verdicts standing as exploratory. " if waiting else ". "))
+    head = (f"Of {len(pairs)} claims, {len(run)} have" if waiting else
+            f"All {len(pairs)} claims have")
+    rest = {0: ". ", 1: "; 1 is not run at confirmatory seeds yet, its exploratory verdict "
+                        "standing as exploratory. "}.get(
+        waiting, f"; {waiting} are not run at confirmatory seeds yet, their exploratory "
+                 "verdicts standing as exploratory. ")
+    text = f"{head} a confirmatory verdict" + (f": {said}" if said else "") + rest
     text += (f"Verdicts that changed at confirmatory seeds: {'; '.join(flips)}." if flips
              else "No verdict changed at confirmatory seeds." if run else "")
     return text.strip()
@@ -327,10 +327,12 @@ def _flag(smoke: bool, on: dict[str, str] | None) -> str:
 
 
 def render(results: list[ClaimResult], commit: str | None, smoke: bool = False,
-           figures_dir: str = "findings", on: dict[str, str] | None = None) -> str:
+           figures_dir: str = "findings", on: dict[str, str] | None = None,
+           glance: list[dict] | None = None) -> str:
     """The findings page as markdown (each claim file's notes and figures are on its own
     page, `render_every`); `on`: the fields a `--set` re-pointed the claims at, named in the
-    title and the commands, with the claims that could not run there and why."""
+    title and the commands, with the claims that could not run there and why; `glance`:
+    `glance_rows(results)` where the caller has them already."""
     flag = _flag(smoke, on)
     head = "# Findings" + (f" on {', '.join(f'{k} {v}' for k, v in on.items() if k in ('model', 'task')) or 'your settings'}" if on else "")
     lines = [head, "",
@@ -353,7 +355,7 @@ def render(results: list[ClaimResult], commit: str | None, smoke: bool = False,
              "(skipping finished runs) and writes this page; `--only <file>` runs one claim "
              "file; `--confirmatory` runs the confirmatory stages; without `--all` the page is written from the finished runs and, for a "
              "claim whose runs are gone, from its per-seed CSV under findings/", ""]
-    glance = glance_rows(results)
+    glance = glance_rows(results) if glance is None else glance
     pairs = side_by_side(results, glance)
     lines += ["## Claims at a glance", "", summary_paragraph(pairs, on=bool(on)), "",
               "Each claim decided by its preregistered primary measure (the claim's "
@@ -367,9 +369,9 @@ def render(results: list[ClaimResult], commit: str | None, smoke: bool = False,
     for row in pairs:
         lines.append("| " + " | ".join(_cell(row[c]) for c in SIDE_BY_SIDE) + " |")
     lines += replication_lines(results, glance)
-    earlier = earlier_lines(results, glance)
-    if earlier:
-        ids = ", ".join(dict.fromkeys(line[2:].split(" ")[0] for line in earlier))
+    ids = ", ".join(dict.fromkeys(str(r.claim.get("id", "?")) for r in results
+                                  if _first_statement(r)))
+    if ids:
         lines += ["", f"Earlier statements of claims {ids}, each restated in another file "
                       f"and decided there: [earlier statements]({figures_dir}/{EARLIER_PAGE})."]
     pages = list(dict.fromkeys(every_page(r) for r in results))
@@ -394,7 +396,7 @@ def earlier_lines(results: list[ClaimResult], glance: list[dict]) -> list[str]:
     rows = {(r.file, r.claim.get("id"), r.order): (r, g) for r, g in zip(results, glance)}
     earlier = []
     for r, row in zip(results, glance):
-        if r.claim.get("restated") and r.order == 0:
+        if _first_statement(r):
             c, cg = rows.get((r.file, r.claim.get("id"), 2), (None, None))
             again = (f"; confirmatory: {_short(cg)}, **{cg['verdict']}**"
                      if c is not None and c.records else "")
@@ -405,8 +407,15 @@ def earlier_lines(results: list[ClaimResult], glance: list[dict]) -> list[str]:
     return earlier
 
 
-def render_earlier(results: list[ClaimResult], commit: str | None) -> str:
-    """The page of the claims' earlier statements, linked from the findings page's table."""
+def _first_statement(result: ClaimResult) -> bool:
+    """Whether a result is a claim's earlier statement (its file restates it elsewhere)."""
+    return bool(result.claim.get("restated")) and result.order == 0
+
+
+def render_earlier(results: list[ClaimResult], commit: str | None,
+                   glance: list[dict] | None = None) -> str:
+    """The page of the claims' earlier statements, linked from the findings page's table;
+    `glance` as for `render`."""
     return "\n".join(["# Earlier statements", "",
                       "Generated with docs/findings.md by `python -m labkit findings` (at "
                       f"commit `{commit or 'unknown'}`). Each line: a claim as its file first "
@@ -414,7 +423,8 @@ def render_earlier(results: list[ClaimResult], commit: str | None) -> str:
                       "confirmatory where run), and the file that restates it; the restated "
                       "claim is the one the findings page decides. The findings are on the "
                       "files' own pages.", "",
-                      *earlier_lines(results, glance_rows(results))]) + "\n"
+                      *earlier_lines(results, glance_rows(results) if glance is None
+                                     else glance)]) + "\n"
 
 
 EARLIER_PAGE = "earlier.md"
