@@ -373,3 +373,37 @@ def test_the_committed_page_regenerates_from_its_csvs_alone(tmp_path):
     assert pages == sorted(p.name for p in folder.glob("*.md"))
     for name in pages:
         assert text(folder / name) == text(shipped / name), name
+
+
+def test_a_claim_files_page_lists_findings_that_share_a_measure_under_it_once():
+    """A measure shared by several findings (a claim's exploratory and confirmatory runs)
+    heads one table whose rows name the question and run alone; an older record that kept
+    the measure in its question is split there; a measure of one finding stays in its row."""
+    from labkit.lab.claims import ClaimResult
+    from labkit.lab.findings_page import render_every
+
+    def row(question, measure, run, effect, verdict="supported"):
+        return {"question": question, "measure": measure, "run": run, "effect": effect,
+                "seeds": 5, "method": "paired t over 5 seeds", "verdict": verdict}
+
+    claim = {"id": 9, "statement": "s", "source": "a"}
+    file = Path("09_fixture.yaml")
+    older = ClaimResult(file, claim, rows=[
+        row("b beats a: gain(b) - gain(a), points", "", "seed=0", "1.00 [0.50, 1.50]"),
+        row("c beats a", "gain(c) - gain(a), points", "seed=0", "0.20 [-1.00, 1.40]",
+            "inconclusive at this budget")])
+    confirmed = ClaimResult(file, claim, confirmatory=True, rows=[
+        row("b beats a", "gain(b) - gain(a), points", "seed=1900", "0.80 [0.10, 1.50]")])
+    (page,) = render_every([older, confirmed], "abc").values()
+    lines = page.splitlines()
+    assert page.count("gain(b) - gain(a), points") == 1  # said once, as the heading
+    head = lines.index("### Measured as: gain(b) - gain(a), points")
+    assert lines[head + 2] == "| claim | finding | effect [95% CI] | seeds | method | verdict |"
+    assert lines[head + 4:head + 6] == [
+        "| 9 | b beats a | 1.00 [0.50, 1.50] | 5 | paired t over 5 seeds | **supported** |",
+        "| 9 (confirmatory) | b beats a (seed=1900) | 0.80 [0.10, 1.50] | 5 | paired t over 5 "
+        "seeds | **supported** |"]
+    # the measure of a single finding stays in its row, in the table above the headings
+    alone = "| 9 | c beats a: gain(c) - gain(a), points | 0.20 [-1.00, 1.40] |"
+    assert any(line.startswith(alone) for line in lines[:head])
+    assert lines.index("| claim | measured | effect [95% CI] | seeds | method | verdict |") < head

@@ -4,6 +4,7 @@ static figure per claim."""
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 
 from labkit.formulas import stats
@@ -38,16 +39,17 @@ def table_rows(results: list[ClaimResult]) -> list[dict]:
         if not r.rows and r.confirmatory:  # not run yet: the page's table says so
             continue
         if not r.rows:
+            said = r.not_run or f"not run yet ({r.runs_done} of {r.runs_total} runs)"
             out.append(dict.fromkeys(COLUMNS, "") | {
-                "claim": head, "source": source, "number": number,
-                "measured": r.not_run or f"not run yet ({r.runs_done} of {r.runs_total} runs)",
-                "verdict": NOT_RUN_HERE if r.not_run else ""})
+                "claim": head, "source": source, "number": number, "measured": said,
+                "question": said, "where": "", "measure": "", "verdict": NOT_RUN_HERE if r.not_run else ""})
             continue
         for row in r.rows:
             where = "" if row["run"] == "seed=0" else f" ({row['run']})"
             out.append({"claim": head, "source": source, "number": number,
                         "measured": f"{row['question']}"
                                     f"{': ' + row['measure'] if row['measure'] else ''}{where}",
+                        "question": row["question"], "where": where, "measure": row["measure"],
                         "effect [95% CI]": row["effect"], "seeds": row["seeds"],
                         "method": row["method"], "machine": machine, "verdict": row["verdict"]})
     return out
@@ -515,16 +517,41 @@ def _every_text(name: str, results: list[ClaimResult], commit: str | None,
              "Generated with docs/findings.md by `python -m labkit findings` (at commit "
              f"`{commit or 'unknown'}`); each claim's statement, preregistered test and "
              "claim-level verdict are there. A row's run (in brackets) is the sweep run "
-             "that measured it where the claim has several.", "",
-             "| " + " | ".join(PAGE_COLUMNS) + " |", "|" + "---|" * len(PAGE_COLUMNS)]
+             "that measured it where the claim has several; findings that share a measure "
+             "(a claim's exploratory and confirmatory runs, a rule's thresholds) are listed "
+             "under it, once.", ""]
     merged: dict[tuple, list[str]] = {}  # a finding two claims of the file share: one row
-    for row in table_rows(results):
+    shape: dict[tuple, tuple[str, str]] = {}  # its measure, and the finding without it
+    rows = table_rows(results)
+    # an older record keeps the measure in its question ("question: measure"): split there
+    known = sorted({str(row["measure"]) for row in rows if row["measure"]}, key=len,
+                   reverse=True)
+    for row in rows:
         key = tuple(str(row[c]) for c in PAGE_COLUMNS if c != "claim")
         merged.setdefault(key, []).append(str(row["number"]))
+        question, measure = str(row["question"]), str(row["measure"])
+        if not measure:
+            measure = next((m for m in known if question.endswith(f": {m}")), "")
+            question = question.removesuffix(f": {measure}") if measure else question
+        shape[key] = (measure, question + str(row["where"]))
+    shared = Counter(measure for measure, _ in shape.values() if measure)
+    blocks: dict[str, list[str]] = {}  # measure ("" for the findings alone in theirs) -> rows
     for key, numbers in merged.items():
-        cells = [_cell(", ".join(dict.fromkeys(numbers)))] + [_cell(v) for v in key]
+        measure, finding = shape[key]
+        measure = measure if shared[measure] > 1 else ""
+        cells = ([_cell(", ".join(dict.fromkeys(numbers)))]
+                 + [_cell(finding if measure else key[0])] + [_cell(v) for v in key[1:]])
         cells[-1] = f"**{cells[-1]}**" if cells[-1] else ""
-        lines.append("| " + " | ".join(cells) + " |")
+        blocks.setdefault(measure, []).append("| " + " | ".join(cells) + " |")
+    if "" in blocks:  # first, with their measures in the row
+        lines += ["| " + " | ".join(PAGE_COLUMNS) + " |", "|" + "---|" * len(PAGE_COLUMNS),
+                  *blocks.pop("")]
+    head = ("claim", "finding", *PAGE_COLUMNS[2:])
+    for measure, rows in blocks.items():
+        if lines[-1]:
+            lines.append("")
+        lines += [f"### Measured as: {measure}", "", "| " + " | ".join(head) + " |",
+                  "|" + "---|" * len(head), *rows]
     notes = dict.fromkeys((r.claim.get("id", "?"), " ".join(str(r.claim["note"]).split()))
                           for r in results if r.claim.get("note"))  # a replication's once
     if notes:
