@@ -377,8 +377,8 @@ def test_the_committed_page_regenerates_from_its_csvs_alone(tmp_path):
 
 def test_a_claim_files_page_lists_findings_that_share_a_measure_under_it_once():
     """A measure shared by several findings (a claim's exploratory and confirmatory runs)
-    heads one table whose rows name the question and run alone; an older record that kept
-    the measure in its question is split there; a measure of one finding stays in its row."""
+    heads one table whose rows name the question and run alone; a measure of one finding
+    stays in its row."""
     from labkit.lab.claims import ClaimResult
     from labkit.lab.findings_page import render_every
 
@@ -388,13 +388,13 @@ def test_a_claim_files_page_lists_findings_that_share_a_measure_under_it_once():
 
     claim = {"id": 9, "statement": "s", "source": "a"}
     file = Path("09_fixture.yaml")
-    older = ClaimResult(file, claim, rows=[
-        row("b beats a: gain(b) - gain(a), points", "", "seed=0", "1.00 [0.50, 1.50]"),
+    explored = ClaimResult(file, claim, rows=[
+        row("b beats a", "gain(b) - gain(a), points", "seed=0", "1.00 [0.50, 1.50]"),
         row("c beats a", "gain(c) - gain(a), points", "seed=0", "0.20 [-1.00, 1.40]",
             "inconclusive at this budget")])
     confirmed = ClaimResult(file, claim, confirmatory=True, rows=[
         row("b beats a", "gain(b) - gain(a), points", "seed=1900", "0.80 [0.10, 1.50]")])
-    (page,) = render_every([older, confirmed], "abc").values()
+    (page,) = render_every([explored, confirmed], "abc").values()
     lines = page.splitlines()
     assert page.count("gain(b) - gain(a), points") == 1  # said once, as the heading
     head = lines.index("### Measured as: gain(b) - gain(a), points")

@@ -522,18 +522,10 @@ def _every_text(name: str, results: list[ClaimResult], commit: str | None,
              "under it, once.", ""]
     merged: dict[tuple, list[str]] = {}  # a finding two claims of the file share: one row
     shape: dict[tuple, tuple[str, str]] = {}  # its measure, and the finding without it
-    rows = table_rows(results)
-    # an older record keeps the measure in its question ("question: measure"): split there
-    known = sorted({str(row["measure"]) for row in rows if row["measure"]}, key=len,
-                   reverse=True)
-    for row in rows:
+    for row in table_rows(results):
         key = tuple(str(row[c]) for c in PAGE_COLUMNS if c != "claim")
         merged.setdefault(key, []).append(str(row["number"]))
-        question, measure = str(row["question"]), str(row["measure"])
-        if not measure:
-            measure = next((m for m in known if question.endswith(f": {m}")), "")
-            question = question.removesuffix(f": {measure}") if measure else question
-        shape[key] = (measure, question + str(row["where"]))
+        shape[key] = (str(row["measure"]), f"{row['question']}{row['where']}")
     shared = Counter(measure for measure, _ in shape.values() if measure)
     blocks: dict[str, list[str]] = {}  # measure ("" for the findings alone in theirs) -> rows
     for key, numbers in merged.items():
