@@ -42,7 +42,8 @@ def table_rows(results: list[ClaimResult]) -> list[dict]:
             said = r.not_run or f"not run yet ({r.runs_done} of {r.runs_total} runs)"
             out.append(dict.fromkeys(COLUMNS, "") | {
                 "claim": head, "source": source, "number": number, "measured": said,
-                "question": said, "where": "", "measure": "", "verdict": NOT_RUN_HERE if r.not_run else ""})
+                "question": said, "where": "", "measure": "",
+                "verdict": NOT_RUN_HERE if r.not_run else ""})
             continue
         for row in r.rows:
             where = "" if row["run"] == "seed=0" else f" ({row['run']})"
