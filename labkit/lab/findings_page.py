@@ -232,8 +232,7 @@ def _counted(verdicts: list[str]) -> str:
     """'3 supported, 2 inconclusive, 1 comparator collapsed': verdicts counted, most first."""
     counts: dict[str, int] = {}
     for verdict in verdicts:
-        kind = "comparator collapsed" if verdict.startswith("comparator collapsed") else (
-            "inconclusive" if verdict == stats.INCONCLUSIVE else verdict)
+        kind = "inconclusive" if verdict == stats.INCONCLUSIVE else verdict_kind(verdict)
         counts[kind] = counts.get(kind, 0) + 1
     return ", ".join(f"{n} {kind}" for kind, n in sorted(counts.items(),
                                                           key=lambda kv: (-kv[1], kv[0])))
@@ -248,24 +247,21 @@ def summary_paragraph(pairs: list[dict], on: bool = False) -> str:
         return (f"Of {len(pairs)} claims on these settings: "
                 f"{_counted([p['exploratory verdict'] for p in pairs])}.")
     run = [p for p in pairs if p["confirmatory verdict"] is not None]
-    counts = {}
-    for p in run:
-        verdict = p["confirmatory verdict"]
-        kind = "comparator collapsed" if verdict.startswith("comparator collapsed") else (
-            "inconclusive" if verdict == stats.INCONCLUSIVE else verdict)
-        counts[kind] = counts.get(kind, 0) + 1
-    said = ", ".join(f"{n} {kind}" for kind, n in sorted(counts.items(),
-                                                          key=lambda kv: (-kv[1], kv[0])))
+    said = _counted([p["confirmatory verdict"] for p in run])
     flips = [f"{p['claim'].split('.')[0]} ({p['exploratory verdict']} -> "
              f"{p['confirmatory verdict']})" for p in run
              if verdict_kind(p["confirmatory verdict"]) != verdict_kind(p["exploratory verdict"])]
     waiting = len(pairs) - len(run)
     head = (f"Of {len(pairs)} claims, {len(run)} have" if waiting else
             f"All {len(pairs)} claims have")
-    rest = {0: ". ", 1: "; 1 is not run at confirmatory seeds yet, its exploratory verdict "
-                        "standing as exploratory. "}.get(
-        waiting, f"; {waiting} are not run at confirmatory seeds yet, their exploratory "
-                 "verdicts standing as exploratory. ")
+    if waiting == 0:
+        rest = ". "
+    elif waiting == 1:
+        rest = ("; 1 is not run at confirmatory seeds yet, its exploratory verdict standing "
+                "as exploratory. ")
+    else:
+        rest = (f"; {waiting} are not run at confirmatory seeds yet, their exploratory verdicts "
+                "standing as exploratory. ")
     text = f"{head} a confirmatory verdict" + (f": {said}" if said else "") + rest
     text += (f"Verdicts that changed at confirmatory seeds: {'; '.join(flips)}." if flips
              else "No verdict changed at confirmatory seeds." if run else "")
